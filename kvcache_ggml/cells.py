@@ -1,0 +1,537 @@
+"""Cell bookkeeping of one KV-cache stream: the counterpart of llama.cpp's ``llama_kv_cells``.
+
+Which cell holds which position of which sequences. No tensors here, and no ggml.
+
+Storage is a set of parallel numpy arrays, one entry per cell:
+
+* ``pos``   int32  -- the position held by the cell, ``-1`` when the cell is empty;
+* ``shift`` int32  -- the position change accumulated since the last K-shift;
+* ``ext``   int32 [size, 2] -- the 2-D M-RoPE extension ``(x, y)``;
+* ``seq``   uint64 [SEQ_WORDS, size] -- a bitset of the sequences that own the cell, word-major so that the
+  membership column of one sequence is contiguous.
+
+Two derived indices are kept in sync with those arrays by exactly two private helpers,
+:meth:`KVCells._index_add` and :meth:`KVCells._index_remove` (llama.cpp's ``seq_pos_add``/``seq_pos_rm`` plus its
+``used`` set):
+
+* the used set -- a count plus the bounds ``used_min``/``used_max_p1``, re-found lazily with a chunked scan when a
+  boundary cell is freed;
+* per sequence, the multiset of its positions (:class:`_PosMultiset`), so that ``seq_pos_min``/``seq_pos_max`` are
+  O(1).
+
+Every llama.cpp method has a counterpart with the same name working on one cell.  The cache itself uses the
+vectorised ``*_many``/``find``/``place`` methods, which give the same result as the per-cell loops of the seed.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._consts import LLAMA_MAX_SEQ, SEQ_WORDS
+
+__all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ"]
+
+_ONE = np.uint64(1)
+_BIT = [np.uint64(1 << b) for b in range(64)]
+_I32_MAX = np.iinfo(np.int32).max
+
+
+@dataclass(slots=True, frozen=True)
+class CellExt:
+    """The 2-D position of an M-RoPE cell (llama.cpp's ``llama_kv_cell_ext``)."""
+
+    x: int = 0  # column of the token in the image
+    y: int = 0  # row of the token in the image
+
+    def is_2d_gt(self, ox: int, oy: int) -> bool:
+        """True when this cell comes after ``(ox, oy)`` in row-major order."""
+        return self.y > oy or (self.y == oy and self.x > ox)
+
+
+class _PosMultiset:
+    """Sorted multiset of positions (llama.cpp's ``std::map<llama_pos, int>``) as two Python lists.
+
+    Appending past the maximum and removing the maximum -- the decode pattern -- are O(1).
+    """
+
+    __slots__ = ("keys", "counts")
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []    # distinct positions, ascending
+        self.counts: list[int] = []  # how many cells hold keys[k]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def inc(self, p: int) -> None:
+        keys = self.keys
+        if not keys or p > keys[-1]:
+            keys.append(p)
+            self.counts.append(1)
+            return
+        k = bisect_left(keys, p)
+        if k < len(keys) and keys[k] == p:
+            self.counts[k] += 1
+        else:
+            keys.insert(k, p)
+            self.counts.insert(k, 1)
+
+    def dec(self, p: int) -> None:
+        keys = self.keys
+        k = len(keys) - 1 if keys and keys[-1] == p else bisect_left(keys, p)
+        assert k < len(keys) and keys[k] == p, f"position {p} is not in the multiset"
+        self.counts[k] -= 1
+        if self.counts[k] == 0:
+            del keys[k]
+            del self.counts[k]
+
+    def update(self, ps: np.ndarray, sign: int) -> None:
+        """Add (sign=+1) or remove (sign=-1) every position of ``ps``, with multiplicity."""
+        if ps.size <= 8:
+            f = self.inc if sign > 0 else self.dec
+            for p in ps.tolist():
+                f(p)
+            return
+        u, c = np.unique(ps, return_counts=True)
+        if not self.keys:
+            assert sign > 0, "removing positions from an empty multiset"
+            self.keys, self.counts = u.tolist(), c.tolist()
+            return
+        keys = np.concatenate([np.asarray(self.keys, dtype=np.int64), u.astype(np.int64)])
+        counts = np.concatenate([np.asarray(self.counts, dtype=np.int64), sign * c.astype(np.int64)])
+        uk, inv = np.unique(keys, return_inverse=True)
+        tot = np.bincount(inv, weights=counts, minlength=uk.size).astype(np.int64)
+        assert (tot >= 0).all(), "removing positions that are not in the multiset"
+        keep = tot > 0
+        self.keys, self.counts = uk[keep].tolist(), tot[keep].tolist()
+
+
+class KVCells:
+    """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``)."""
+
+    __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_n_used", "_used_lo", "_used_hi",
+                 "_bounds_dirty", "_seq_pos")
+
+    def __init__(self, size: int = 0) -> None:
+        self._pos = np.empty(0, np.int32)                # [size] position, -1 = empty
+        self._shift = np.empty(0, np.int32)              # [size] pending K-shift
+        self._ext = np.empty((0, 2), np.int32)           # [size, 2] M-RoPE (x, y)
+        self._seq = np.empty((SEQ_WORDS, 0), np.uint64)  # [SEQ_WORDS, size] sequence bitset
+        self._has_shift = False                          # any pos_add/pos_div since reset_shift()
+        self._n_used = 0                                 # number of non-empty cells
+        self._used_lo = 0                                # first used cell (valid unless _bounds_dirty)
+        self._used_hi = 0                                # last used cell + 1 (valid unless _bounds_dirty)
+        self._bounds_dirty = False                       # a boundary cell was freed: re-scan lazily
+        self._seq_pos: dict[int, _PosMultiset] = {}      # seq id -> multiset of its positions
+        self.resize(size)
+
+    # ------------------------------------------------------------------ whole-stream operations
+
+    def reset(self) -> None:
+        self._pos.fill(-1)
+        self._shift.fill(0)
+        self._ext.fill(0)
+        self._seq.fill(0)
+        self._has_shift = False
+        self._n_used = 0
+        self._used_lo = self._used_hi = 0
+        self._bounds_dirty = False
+        self._seq_pos.clear()
+
+    def reset_shift(self) -> None:
+        self._has_shift = False
+        self._shift.fill(0)
+
+    def size(self) -> int:
+        return self._pos.shape[0]
+
+    def resize(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"cell count must be >= 0, got {n}")
+        self._pos = np.full(n, -1, np.int32)
+        self._shift = np.zeros(n, np.int32)
+        self._ext = np.zeros((n, 2), np.int32)
+        self._seq = np.zeros((SEQ_WORDS, n), np.uint64)
+        self.reset()
+
+    def get_used(self) -> int:
+        return self._n_used
+
+    def used_min(self) -> int:
+        self._fix_bounds()
+        return self._used_lo
+
+    def used_max_p1(self) -> int:
+        self._fix_bounds()
+        return self._used_hi
+
+    def get_has_shift(self) -> bool:
+        return self._has_shift
+
+    # ------------------------------------------------------------------ copies (for roll-back)
+
+    def cp(self, i_or_idxs, n: int | None = None) -> "KVCells":
+        """Copy of cells ``[i, i + n)`` or of the cells ``idxs``, as a new, consistent ``KVCells``."""
+        idxs = self._as_idxs(i_or_idxs, n)
+        assert not self._shift[idxs].any(), "cp() of cells with a pending shift"
+        res = KVCells(0)
+        res._pos = self._pos[idxs]
+        res._shift = np.zeros(idxs.size, np.int32)
+        res._ext = self._ext[idxs]
+        res._seq = self._seq[:, idxs]
+        res._rebuild_indices()
+        return res
+
+    def set(self, i_or_idxs, other: "KVCells") -> None:
+        """Overwrite cells ``[i, i + len(other))`` or the cells ``idxs`` with the cells of ``other``."""
+        idxs = self._as_idxs(i_or_idxs, other.size() if np.isscalar(i_or_idxs) else None)
+        if idxs.size != other.size():
+            raise ValueError(f"set(): {idxs.size} target cells for {other.size()} source cells")
+        self._restore(idxs, other._pos, other._ext, other._seq)
+
+    def _snapshot(self, idxs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Raw copy of cells (pos, ext, seq) -- the light form of cp() that prepare() uses."""
+        return self._pos[idxs], self._ext[idxs], self._seq[:, idxs]
+
+    def _restore(self, idxs: np.ndarray, pos: np.ndarray, ext: np.ndarray, seq: np.ndarray) -> None:
+        old = idxs[self._pos[idxs] >= 0]
+        self._index_remove(old)
+        self._pos[idxs] = pos
+        self._ext[idxs] = ext
+        self._seq[:, idxs] = seq
+        self._index_add(idxs[pos >= 0])
+
+    # ------------------------------------------------------------------ one cell (llama.cpp's API)
+
+    def is_empty(self, i: int) -> bool:
+        return bool(self._pos[i] == -1)
+
+    def rm(self, i: int) -> None:
+        assert self._pos[i] != -1, f"rm() of empty cell {i}"
+        self.rm_many(np.array([i], np.int64))
+
+    def seq_rm(self, i: int, seq_id: int) -> bool:
+        """Remove ``seq_id`` from cell ``i``; True when the cell became empty."""
+        assert self.seq_has(i, seq_id) and self._pos[i] != -1
+        return bool(self.seq_rm_many(np.array([i], np.int64), seq_id).size)
+
+    def seq_keep(self, i: int, seq_id: int) -> bool:
+        """Keep only ``seq_id`` in cell ``i``; True when the cell became empty."""
+        if self._pos[i] == -1:
+            return False
+        return bool(self.seq_keep_many(np.array([i], np.int64), seq_id).size)
+
+    def seq_count(self, i: int) -> int:
+        assert self._pos[i] != -1, f"seq_count() of empty cell {i}"
+        return int(np.bitwise_count(self._seq[:, i]).sum())
+
+    def seq_has(self, i: int, seq_id: int) -> bool:
+        assert 0 <= seq_id < LLAMA_MAX_SEQ, f"seq_id {seq_id} out of [0, {LLAMA_MAX_SEQ})"
+        return bool(self._seq[seq_id >> 6, i] & _BIT[seq_id & 63])
+
+    def seq_add(self, i: int, seq_id: int) -> None:
+        assert self._pos[i] != -1 and not self.seq_has(i, seq_id)
+        self.seq_add_many(np.array([i], np.int64), seq_id)
+
+    def seq_get(self, i: int) -> int:
+        """The only sequence of cell ``i`` (the cell must hold exactly one)."""
+        assert self.seq_count(i) == 1, f"seq_get() of cell {i} with {self.seq_count(i)} sequences"
+        return int(self.seq_get_many(np.array([i], np.int64))[0])
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        ms = self._seq_pos.get(seq_id)
+        return ms.keys[0] if ms else -1
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        ms = self._seq_pos.get(seq_id)
+        return ms.keys[-1] if ms else -1
+
+    def pos_get(self, i: int) -> int:
+        assert self._pos[i] != -1, f"pos_get() of empty cell {i}"
+        return int(self._pos[i])
+
+    def ext_get(self, i: int) -> CellExt:
+        assert self._pos[i] != -1, f"ext_get() of empty cell {i}"
+        return CellExt(int(self._ext[i, 0]), int(self._ext[i, 1]))
+
+    def get_shift(self, i: int) -> int:
+        assert self._pos[i] != -1, f"get_shift() of empty cell {i}"
+        return int(self._shift[i])
+
+    def pos_in(self, i: int, p0: int, p1: int) -> bool:
+        return bool(p0 <= self._pos[i] < p1)
+
+    def pos_set(self, i: int, p: int) -> None:
+        assert self._pos[i] == -1 and not self._seq[:, i].any(), f"pos_set() of occupied cell {i}"
+        self._pos[i] = p
+        self._used_insert(np.array([i], np.int64))
+
+    def ext_set(self, i: int, ext: CellExt | tuple[int, int]) -> None:
+        self._ext[i] = (ext.x, ext.y) if isinstance(ext, CellExt) else ext
+
+    def pos_add(self, i: int, d: int) -> bool:
+        """Shift the position of cell ``i`` by ``d``; True when it went negative and the cell was emptied."""
+        assert self._pos[i] != -1, f"pos_add() of empty cell {i}"
+        return bool(self.pos_add_many(np.array([i], np.int64), d).size)
+
+    def pos_div(self, i: int, d: int) -> None:
+        assert self._pos[i] != -1, f"pos_div() of empty cell {i}"
+        self.pos_div_many(np.array([i], np.int64), d)
+
+    # ------------------------------------------------------------------ vectorised queries
+
+    @property
+    def pos_array(self) -> np.ndarray:
+        """[size] int32 positions, -1 for empty cells. Read-only by convention."""
+        return self._pos
+
+    @property
+    def shift_array(self) -> np.ndarray:
+        """[size] int32 pending shifts. Read-only by convention."""
+        return self._shift
+
+    @property
+    def ext_array(self) -> np.ndarray:
+        """[size, 2] int32 (x, y). Read-only by convention."""
+        return self._ext
+
+    @property
+    def seq_bits(self) -> np.ndarray:
+        """[SEQ_WORDS, size] uint64 sequence bitsets. Read-only by convention."""
+        return self._seq
+
+    def seq_mask(self, seq_id: int, n: int | None = None) -> np.ndarray:
+        """bool [n]: which of the first ``n`` cells hold ``seq_id``."""
+        row = self._seq[seq_id >> 6] if n is None else self._seq[seq_id >> 6, :n]
+        return (row & _BIT[seq_id & 63]) != 0
+
+    def seq_count_many(self, idxs: np.ndarray) -> np.ndarray:
+        return np.bitwise_count(self._seq[:, idxs]).sum(axis=0, dtype=np.int32)
+
+    def seq_get_many(self, idxs: np.ndarray) -> np.ndarray:
+        """int32: the lowest sequence id of each cell (its only one where seq_count == 1)."""
+        words = self._seq[:, idxs]
+        w = np.argmax(words != 0, axis=0)
+        v = words[w, np.arange(words.shape[1])]
+        low = v & (~v + _ONE)  # lowest set bit, a power of two: exact in float64
+        return (w * 64 + np.frexp(low.astype(np.float64))[1] - 1).astype(np.int32)
+
+    def seqs_in(self, idxs: np.ndarray) -> list[int]:
+        """Sorted ids of the sequences present in any of the cells ``idxs``."""
+        words = np.bitwise_or.reduce(self._seq[:, idxs], axis=1) if idxs.size else np.zeros(SEQ_WORDS, np.uint64)
+        out = []
+        for w, v in enumerate(words.tolist()):
+            while v:
+                low = v & -v
+                out.append(w * 64 + low.bit_length() - 1)
+                v ^= low
+        return out
+
+    def find(self, p0: int, p1: int, seq_id: int = -1) -> np.ndarray:
+        """int64 indices of the non-empty cells with position in [p0, p1) (and holding ``seq_id`` when >= 0)."""
+        pos = self._pos
+        if p0 <= 0 and p1 >= _I32_MAX:
+            sel = pos >= 0
+        else:
+            sel = (pos >= max(p0, 0)) & (pos < p1)
+        if seq_id >= 0:
+            sel &= self.seq_mask(seq_id)
+        return np.flatnonzero(sel)
+
+    # ------------------------------------------------------------------ vectorised mutators
+
+    def rm_many(self, idxs: np.ndarray) -> None:
+        """Empty the (non-empty) cells ``idxs``."""
+        self._index_remove(idxs)
+        self._clear_cells(idxs)
+
+    def seq_rm_many(self, idxs: np.ndarray, seq_id: int) -> np.ndarray:
+        """Remove ``seq_id`` from the cells ``idxs`` (all hold it); returns the cells that became empty."""
+        w, bit = seq_id >> 6, _BIT[seq_id & 63]
+        ms = self._seq_pos[seq_id]
+        ms.update(self._pos[idxs], -1)
+        if not ms:
+            del self._seq_pos[seq_id]
+        self._seq[w, idxs] &= ~bit
+        emptied = idxs[~self._seq[:, idxs].any(axis=0)]
+        if emptied.size:
+            self._clear_cells(emptied)
+            self._used_erase(emptied)
+        return emptied
+
+    def seq_keep_many(self, idxs: np.ndarray, seq_id: int) -> np.ndarray:
+        """Keep only ``seq_id`` in the (non-empty) cells ``idxs``; returns the cells that became empty."""
+        has = self.seq_mask(seq_id)[idxs]
+        drop = idxs[~has]
+        keep = idxs[has]
+        multi = keep[self.seq_count_many(keep) > 1] if keep.size else keep
+        if multi.size:
+            self._index_remove(multi)
+            self._seq[:, multi] = 0
+            self._seq[seq_id >> 6, multi] = _BIT[seq_id & 63]
+            self._index_add(multi)
+        if drop.size:
+            self.rm_many(drop)
+        return drop
+
+    def seq_add_many(self, idxs: np.ndarray, seq_id: int) -> None:
+        """Add ``seq_id`` to the (non-empty) cells ``idxs``, none of which holds it yet."""
+        self._seq[seq_id >> 6, idxs] |= _BIT[seq_id & 63]
+        self._ms(seq_id).update(self._pos[idxs], +1)
+
+    def pos_add_many(self, idxs: np.ndarray, d: int | np.ndarray) -> np.ndarray:
+        """Shift the (non-empty) cells ``idxs`` by ``d`` (one value or one per cell); returns the cells emptied
+        by a negative position."""
+        d = np.asarray(d, np.int32)
+        self._index_remove(idxs)
+        self._pos[idxs] += d
+        self._shift[idxs] += d
+        self._has_shift = True
+        neg = self._pos[idxs] < 0
+        emptied = idxs[neg]
+        if emptied.size:
+            self._seq[:, emptied] = 0
+            self._pos[emptied] = -1
+            self._shift[emptied] = 0
+        self._index_add(idxs[~neg])
+        return emptied
+
+    def pos_div_many(self, idxs: np.ndarray, d: int) -> None:
+        """Divide the positions of the (non-empty) cells ``idxs`` by ``d`` (C truncation)."""
+        if d == 0:
+            raise ValueError("pos_div(): division by zero")
+        self._index_remove(idxs)
+        old = self._pos[idxs]
+        new = (np.trunc(old / d)).astype(np.int32) if d < 0 else old // np.int32(d)
+        self._pos[idxs] = new
+        self._shift[idxs] += old - new
+        self._index_add(idxs)
+        self._has_shift = True
+
+    def place(self, idxs: np.ndarray, pos: np.ndarray, seq_ids: np.ndarray, ext: np.ndarray | None = None) -> None:
+        """Fill the empty cells ``idxs`` (pos_set + ext_set + seq_add).
+
+        ``seq_ids`` is int32 [n, w]: the sequences of each cell, padded with -1 (the ubatch layout).
+        """
+        assert (self._pos[idxs] == -1).all(), "place() into occupied cells"
+        self._pos[idxs] = pos
+        if ext is not None:
+            self._ext[idxs] = ext
+        self._used_insert(idxs)
+        if seq_ids.shape[1] == 1 or (seq_ids[:, 1:] < 0).all():
+            col = seq_ids[:, 0]
+            first = int(col[0])
+            if (col == first).all():
+                self.seq_add_many(idxs, first)
+                return
+        for s in np.unique(seq_ids[seq_ids >= 0]).tolist():
+            self.seq_add_many(idxs[(seq_ids == s).any(axis=1)], s)
+
+    # ------------------------------------------------------------------ consistency
+
+    def _rebuild_indices(self) -> None:
+        """Recompute both derived indices from the arrays."""
+        self._seq_pos = {}
+        used = np.flatnonzero(self._pos >= 0)
+        self._n_used = used.size
+        self._used_lo, self._used_hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
+        self._bounds_dirty = False
+        for s in self.seqs_in(used):
+            self._ms(s).update(self._pos[used[self.seq_mask(s)[used]]], +1)
+
+    # ------------------------------------------------------------------ private helpers
+
+    def _as_idxs(self, i_or_idxs, n: int | None) -> np.ndarray:
+        if n is not None:
+            i = int(i_or_idxs)
+            if i < 0 or i + n > self.size():
+                raise ValueError(f"cell range [{i}, {i + n}) out of [0, {self.size()})")
+            return np.arange(i, i + n, dtype=np.int64)
+        idxs = np.asarray(i_or_idxs, dtype=np.int64).reshape(-1)
+        if idxs.size and (idxs.min() < 0 or idxs.max() >= self.size()):
+            raise ValueError(f"cell index out of [0, {self.size()}): {idxs.min()}..{idxs.max()}")
+        return idxs
+
+    def _ms(self, seq_id: int) -> _PosMultiset:
+        ms = self._seq_pos.get(seq_id)
+        if ms is None:
+            ms = self._seq_pos[seq_id] = _PosMultiset()
+        return ms
+
+    def _clear_cells(self, idxs: np.ndarray) -> None:
+        self._seq[:, idxs] = 0
+        self._pos[idxs] = -1
+        self._ext[idxs] = 0
+        self._shift[idxs] = 0
+
+    def _index_add(self, idxs: np.ndarray) -> None:
+        """Enter the (non-empty) cells ``idxs`` into the used set and the position multisets."""
+        if not idxs.size:
+            return
+        self._used_insert(idxs)
+        pos = self._pos[idxs]
+        for s in self.seqs_in(idxs):
+            sel = self.seq_mask(s)[idxs]
+            self._ms(s).update(pos[sel], +1)
+
+    def _index_remove(self, idxs: np.ndarray) -> None:
+        """Take the (non-empty) cells ``idxs`` out of the used set and the position multisets."""
+        if not idxs.size:
+            return
+        pos = self._pos[idxs]
+        for s in self.seqs_in(idxs):
+            sel = self.seq_mask(s)[idxs]
+            ms = self._seq_pos[s]
+            ms.update(pos[sel], -1)
+            if not ms:
+                del self._seq_pos[s]
+        self._used_erase(idxs)
+
+    def _used_insert(self, idxs: np.ndarray) -> None:
+        lo, hi = int(idxs.min()), int(idxs.max()) + 1
+        if self._n_used == 0:
+            self._used_lo, self._used_hi = lo, hi
+            self._bounds_dirty = False
+        else:
+            # exact bounds stay exact; stale (dirty) bounds stay an enclosure of every used cell
+            self._used_lo = min(self._used_lo, lo)
+            self._used_hi = max(self._used_hi, hi)
+        self._n_used += idxs.size
+
+    def _used_erase(self, idxs: np.ndarray) -> None:
+        self._n_used -= idxs.size
+        assert self._n_used >= 0
+        if self._n_used == 0:
+            self._used_lo = self._used_hi = 0
+            self._bounds_dirty = False
+        elif int(idxs.min()) <= self._used_lo or int(idxs.max()) + 1 >= self._used_hi:
+            self._bounds_dirty = True
+
+    def _fix_bounds(self) -> None:
+        """Shrink the enclosing bounds [lo, hi) to the first and last used cell (chunked scans)."""
+        if not self._bounds_dirty:
+            return
+        pos = self._pos
+        hi, step = self._used_hi, 64
+        while hi > 0:
+            lo = max(0, hi - step)
+            nz = np.flatnonzero(pos[lo:hi] >= 0)
+            if nz.size:
+                hi = lo + int(nz[-1]) + 1
+                break
+            hi, step = lo, step * 4
+        lo, step, n = self._used_lo, 64, hi
+        while lo < n:
+            up = min(n, lo + step)
+            nz = np.flatnonzero(pos[lo:up] >= 0)
+            if nz.size:
+                lo = lo + int(nz[0])
+                break
+            lo, step = up, step * 4
+        self._used_lo, self._used_hi = lo, hi
+        self._bounds_dirty = False
+
+    def __repr__(self) -> str:
+        return f"KVCells(size={self.size()}, used={self._n_used}, seqs={sorted(self._seq_pos)})"
