@@ -209,7 +209,7 @@ class KVCache(GraphMixin, InputMixin, StateMixin):
             cells = self.v_cells[s0]
             idxs = cells.find(p0, p1, seq_id_src)
             # cells that already hold the destination keep it once (the seed's release build counts them twice)
-            idxs = idxs[~cells.seq_mask(seq_id_dst)[idxs]]
+            idxs = idxs[~cells.seq_mask_at(seq_id_dst, idxs)]
             if idxs.size:
                 cells.seq_add_many(idxs, seq_id_dst)
             return
@@ -348,18 +348,26 @@ class KVCache(GraphMixin, InputMixin, StateMixin):
         res: list[SlotInfo] = []
         states = []
         success = True
-        for ub in ubatches:
+        last = len(ubatches) - 1
+        for k, ub in enumerate(ubatches):
             sinfo = self.find_slot(ub, False)
             if sinfo.empty():
                 success = False
                 break
             res.append(sinfo)
+            heads_old = list(self.v_heads)
+            if k == last and all(not (self.v_cells[st].pos_array[idx] >= 0).any()
+                                 for st, idx in zip(sinfo.strm, sinfo.idxs)):
+                # the last ubatch lands on empty cells only: placing it and rolling it back changes no cell
+                states.append((sinfo, heads_old, None))
+                break
             saved = [self.v_cells[st]._snapshot(idx) for st, idx in zip(sinfo.strm, sinfo.idxs)]
-            states.append((sinfo, list(self.v_heads), saved))
+            states.append((sinfo, heads_old, saved))
             self.apply_ubatch(sinfo, ub)
         for sinfo, heads_old, saved in reversed(states):
             for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
-                self.v_cells[st]._restore(idx, *saved[s])
+                if saved is not None:
+                    self.v_cells[st]._restore(idx, *saved[s])
                 self.v_heads[st] = heads_old[s]
         return res if success else []
 

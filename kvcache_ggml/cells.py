@@ -36,6 +36,8 @@ __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ"]
 _ONE = np.uint64(1)
 _BIT = [np.uint64(1 << b) for b in range(64)]
 _I32_MAX = np.iinfo(np.int32).max
+_NO_CELLS = np.empty(0, np.int64)
+_NO_CELLS.flags.writeable = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,7 +114,7 @@ class KVCells:
     """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``)."""
 
     __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_n_used", "_used_lo", "_used_hi",
-                 "_bounds_dirty", "_seq_pos")
+                 "_lo_dirty", "_hi_dirty", "_seq_pos")
 
     def __init__(self, size: int = 0) -> None:
         self._pos = np.empty(0, np.int32)                # [size] position, -1 = empty
@@ -121,9 +123,10 @@ class KVCells:
         self._seq = np.empty((SEQ_WORDS, 0), np.uint64)  # [SEQ_WORDS, size] sequence bitset
         self._has_shift = False                          # any pos_add/pos_div since reset_shift()
         self._n_used = 0                                 # number of non-empty cells
-        self._used_lo = 0                                # first used cell (valid unless _bounds_dirty)
-        self._used_hi = 0                                # last used cell + 1 (valid unless _bounds_dirty)
-        self._bounds_dirty = False                       # a boundary cell was freed: re-scan lazily
+        self._used_lo = 0                                # first used cell (a lower bound of it while _lo_dirty)
+        self._used_hi = 0                                # last used cell + 1 (an upper bound while _hi_dirty)
+        self._lo_dirty = False                           # the first used cell was freed: re-scan lazily
+        self._hi_dirty = False                           # the last used cell was freed: re-scan lazily
         self._seq_pos: dict[int, _PosMultiset] = {}      # seq id -> multiset of its positions
         self.resize(size)
 
@@ -137,7 +140,7 @@ class KVCells:
         self._has_shift = False
         self._n_used = 0
         self._used_lo = self._used_hi = 0
-        self._bounds_dirty = False
+        self._lo_dirty = self._hi_dirty = False
         self._seq_pos.clear()
 
     def reset_shift(self) -> None:
@@ -160,11 +163,13 @@ class KVCells:
         return self._n_used
 
     def used_min(self) -> int:
-        self._fix_bounds()
+        if self._lo_dirty:
+            self._fix_lo()
         return self._used_lo
 
     def used_max_p1(self) -> int:
-        self._fix_bounds()
+        if self._hi_dirty:
+            self._fix_hi()
         return self._used_hi
 
     def get_has_shift(self) -> bool:
@@ -307,6 +312,10 @@ class KVCells:
         row = self._seq[seq_id >> 6] if n is None else self._seq[seq_id >> 6, :n]
         return (row & _BIT[seq_id & 63]) != 0
 
+    def seq_mask_at(self, seq_id: int, idxs: np.ndarray) -> np.ndarray:
+        """bool [len(idxs)]: which of the cells ``idxs`` hold ``seq_id``."""
+        return (self._seq[seq_id >> 6, idxs] & _BIT[seq_id & 63]) != 0
+
     def seq_count_many(self, idxs: np.ndarray) -> np.ndarray:
         return np.bitwise_count(self._seq[:, idxs]).sum(axis=0, dtype=np.int32)
 
@@ -330,15 +339,25 @@ class KVCells:
         return out
 
     def find(self, p0: int, p1: int, seq_id: int = -1) -> np.ndarray:
-        """int64 indices of the non-empty cells with position in [p0, p1) (and holding ``seq_id`` when >= 0)."""
-        pos = self._pos
-        if p0 <= 0 and p1 >= _I32_MAX:
-            sel = pos >= 0
-        else:
-            sel = (pos >= max(p0, 0)) & (pos < p1)
+        """int64 indices of the non-empty cells with position in [p0, p1) (and holding ``seq_id`` when >= 0).
+
+        Only the used range is scanned, and nothing when the sequence has no position in [p0, p1).
+        """
+        p0 = max(p0, 0)
         if seq_id >= 0:
-            sel &= self.seq_mask(seq_id)
-        return np.flatnonzero(sel)
+            ms = self._seq_pos.get(seq_id)
+            if not ms or p0 > ms.keys[-1] or p1 <= ms.keys[0]:
+                return _NO_CELLS
+        lo, hi = self.used_min(), self.used_max_p1()
+        pos = self._pos[lo:hi]
+        # empty cells hold -1 < p0, and no position reaches INT32_MAX
+        sel = (pos >= p0) if p1 >= _I32_MAX else (pos >= p0) & (pos < p1)
+        idxs = sel.nonzero()[0]
+        if lo:
+            idxs += lo
+        if seq_id >= 0 and idxs.size:
+            idxs = idxs[(self._seq[seq_id >> 6, idxs] & _BIT[seq_id & 63]) != 0]
+        return idxs
 
     # ------------------------------------------------------------------ vectorised mutators
 
@@ -351,11 +370,17 @@ class KVCells:
         """Remove ``seq_id`` from the cells ``idxs`` (all hold it); returns the cells that became empty."""
         w, bit = seq_id >> 6, _BIT[seq_id & 63]
         ms = self._seq_pos[seq_id]
-        ms.update(self._pos[idxs], -1)
+        if idxs.size == 1:
+            i = int(idxs[0])
+            ms.dec(int(self._pos[i]))
+            self._seq[w, i] &= ~bit
+            emptied = idxs if not self._seq[:, i].any() else _NO_CELLS
+        else:
+            ms.update(self._pos[idxs], -1)
+            self._seq[w, idxs] &= ~bit
+            emptied = idxs[~self._seq[:, idxs].any(axis=0)]
         if not ms:
             del self._seq_pos[seq_id]
-        self._seq[w, idxs] &= ~bit
-        emptied = idxs[~self._seq[:, idxs].any(axis=0)]
         if emptied.size:
             self._clear_cells(emptied)
             self._used_erase(emptied)
@@ -363,7 +388,7 @@ class KVCells:
 
     def seq_keep_many(self, idxs: np.ndarray, seq_id: int) -> np.ndarray:
         """Keep only ``seq_id`` in the (non-empty) cells ``idxs``; returns the cells that became empty."""
-        has = self.seq_mask(seq_id)[idxs]
+        has = self.seq_mask_at(seq_id, idxs)
         drop = idxs[~has]
         keep = idxs[has]
         multi = keep[self.seq_count_many(keep) > 1] if keep.size else keep
@@ -415,15 +440,14 @@ class KVCells:
 
         ``seq_ids`` is int32 [n, w]: the sequences of each cell, padded with -1 (the ubatch layout).
         """
-        assert (self._pos[idxs] == -1).all(), "place() into occupied cells"
         self._pos[idxs] = pos
         if ext is not None:
             self._ext[idxs] = ext
         self._used_insert(idxs)
-        if seq_ids.shape[1] == 1 or (seq_ids[:, 1:] < 0).all():
+        if seq_ids.shape[1] == 1:
             col = seq_ids[:, 0]
             first = int(col[0])
-            if (col == first).all():
+            if col.size == 1 or (col == first).all():
                 self.seq_add_many(idxs, first)
                 return
         for s in np.unique(seq_ids[seq_ids >= 0]).tolist():
@@ -437,9 +461,9 @@ class KVCells:
         used = np.flatnonzero(self._pos >= 0)
         self._n_used = used.size
         self._used_lo, self._used_hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
-        self._bounds_dirty = False
+        self._lo_dirty = self._hi_dirty = False
         for s in self.seqs_in(used):
-            self._ms(s).update(self._pos[used[self.seq_mask(s)[used]]], +1)
+            self._ms(s).update(self._pos[used[self.seq_mask_at(s, used)]], +1)
 
     # ------------------------------------------------------------------ private helpers
 
@@ -461,6 +485,13 @@ class KVCells:
         return ms
 
     def _clear_cells(self, idxs: np.ndarray) -> None:
+        if idxs.size == 1:
+            i = int(idxs[0])
+            self._seq[:, i] = 0
+            self._pos[i] = -1
+            self._ext[i] = 0
+            self._shift[i] = 0
+            return
         self._seq[:, idxs] = 0
         self._pos[idxs] = -1
         self._ext[idxs] = 0
@@ -472,9 +503,12 @@ class KVCells:
             return
         self._used_insert(idxs)
         pos = self._pos[idxs]
-        for s in self.seqs_in(idxs):
-            sel = self.seq_mask(s)[idxs]
-            self._ms(s).update(pos[sel], +1)
+        seqs = self.seqs_in(idxs)
+        if len(seqs) == 1 and idxs.size == 1:
+            self._ms(seqs[0]).inc(int(pos[0]))
+            return
+        for s in seqs:
+            self._ms(s).update(pos[self.seq_mask_at(s, idxs)], +1)
 
     def _index_remove(self, idxs: np.ndarray) -> None:
         """Take the (non-empty) cells ``idxs`` out of the used set and the position multisets."""
@@ -482,18 +516,21 @@ class KVCells:
             return
         pos = self._pos[idxs]
         for s in self.seqs_in(idxs):
-            sel = self.seq_mask(s)[idxs]
             ms = self._seq_pos[s]
-            ms.update(pos[sel], -1)
+            ms.update(pos[self.seq_mask_at(s, idxs)], -1)
             if not ms:
                 del self._seq_pos[s]
         self._used_erase(idxs)
 
     def _used_insert(self, idxs: np.ndarray) -> None:
-        lo, hi = int(idxs.min()), int(idxs.max()) + 1
+        if idxs.size == 1:
+            lo = int(idxs[0])
+            hi = lo + 1
+        else:
+            lo, hi = int(idxs.min()), int(idxs.max()) + 1
         if self._n_used == 0:
             self._used_lo, self._used_hi = lo, hi
-            self._bounds_dirty = False
+            self._lo_dirty = self._hi_dirty = False
         else:
             # exact bounds stay exact; stale (dirty) bounds stay an enclosure of every used cell
             self._used_lo = min(self._used_lo, lo)
@@ -505,33 +542,39 @@ class KVCells:
         assert self._n_used >= 0
         if self._n_used == 0:
             self._used_lo = self._used_hi = 0
-            self._bounds_dirty = False
-        elif int(idxs.min()) <= self._used_lo or int(idxs.max()) + 1 >= self._used_hi:
-            self._bounds_dirty = True
-
-    def _fix_bounds(self) -> None:
-        """Shrink the enclosing bounds [lo, hi) to the first and last used cell (chunked scans)."""
-        if not self._bounds_dirty:
+            self._lo_dirty = self._hi_dirty = False
             return
-        pos = self._pos
-        hi, step = self._used_hi, 64
+        lo, hi = (int(idxs[0]), int(idxs[0]) + 1) if idxs.size == 1 else (int(idxs.min()), int(idxs.max()) + 1)
+        if lo <= self._used_lo:
+            self._lo_dirty = True
+        if hi >= self._used_hi:
+            self._hi_dirty = True
+
+    def _fix_hi(self) -> None:
+        """Shrink the enclosing upper bound to the last used cell + 1 (backward scan in growing chunks)."""
+        pos, hi, step = self._pos, self._used_hi, 64
         while hi > 0:
             lo = max(0, hi - step)
-            nz = np.flatnonzero(pos[lo:hi] >= 0)
+            nz = (pos[lo:hi] >= 0).nonzero()[0]
             if nz.size:
                 hi = lo + int(nz[-1]) + 1
                 break
             hi, step = lo, step * 4
-        lo, step, n = self._used_lo, 64, hi
+        self._used_hi = hi
+        self._hi_dirty = False
+
+    def _fix_lo(self) -> None:
+        """Raise the enclosing lower bound to the first used cell (forward scan in growing chunks)."""
+        pos, lo, step, n = self._pos, self._used_lo, 64, self.size()
         while lo < n:
             up = min(n, lo + step)
-            nz = np.flatnonzero(pos[lo:up] >= 0)
+            nz = (pos[lo:up] >= 0).nonzero()[0]
             if nz.size:
-                lo = lo + int(nz[0])
+                lo += int(nz[0])
                 break
             lo, step = up, step * 4
-        self._used_lo, self._used_hi = lo, hi
-        self._bounds_dirty = False
+        self._used_lo = lo
+        self._lo_dirty = False
 
     def __repr__(self) -> str:
         return f"KVCells(size={self.size()}, used={self._n_used}, seqs={sorted(self._seq_pos)})"
