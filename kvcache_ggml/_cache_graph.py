@@ -3,13 +3,6 @@ from __future__ import annotations
 
 
 class GraphMixin:
-    def _init_tensors(self) -> None:
-        self.layers = []
-        self.map_layer_ids = {}
-
-    def _clear_buffers(self) -> None:
-        pass
-
     def update(self, lctx, do_shift, sc_info) -> bool:
         if do_shift:
             for c in self.v_cells:

@@ -1,2 +1,9 @@
+"""Input half of KVCache (interim placeholder; filled by the graph issue)."""
+
+
 class InputMixin:
-    pass
+    """set_input_* of llama_kv_cache."""
+
+
+class ContextInputsMixin:
+    """numpy conveniences of KVCacheContext."""

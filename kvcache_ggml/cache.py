@@ -116,12 +116,13 @@ class StreamCopyInfo:
         return not self.ssrc
 
 
-from ._cache_graph import GraphMixin  # noqa: E402  (the mixins need the value objects above)
-from ._cache_inputs import InputMixin  # noqa: E402
+from ._cache_tensors import TensorMixin  # noqa: E402  (the mixins need the value objects above)
+from ._cache_graph import GraphMixin  # noqa: E402
+from ._cache_inputs import ContextInputsMixin, InputMixin  # noqa: E402
 from .state import StateMixin  # noqa: E402
 
 
-class KVCache(GraphMixin, InputMixin, StateMixin):
+class KVCache(TensorMixin, GraphMixin, InputMixin, StateMixin):
     """llama.cpp's ``llama_kv_cache``: cells and heads per stream, K/V tensors per layer."""
 
     def __init__(self, model: ModelLike, params: KVCacheParams | None = None, **kwargs: Any) -> None:
@@ -533,7 +534,7 @@ class KVCache(GraphMixin, InputMixin, StateMixin):
                           cells.seq_pos_max(q))
 
 
-class KVCacheContext:
+class KVCacheContext(ContextInputsMixin):
     """llama.cpp's ``llama_kv_cache_context``: the ubatches of one batch and their slots, or an update."""
 
     def __init__(self, kv: KVCache | None, *, status: MemoryStatus = MemoryStatus.SUCCESS,
