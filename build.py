@@ -1,0 +1,348 @@
+#!/usr/bin/env python3
+"""Set up kvcache_ggml on a fresh machine (Python >= 3.10, a C/C++ compiler, cmake) and run it.
+
+    python3 build.py [build options]                     set up .venv/ only
+    python3 build.py [build options] test [pytest args]  set up, then .venv/bin/python -m pytest ...
+    python3 build.py [build options] demo [demo args]    set up, then .venv/bin/python -m kvcache_ggml demo ...
+
+Set-up: creates .venv/, installs the build dependencies, downloads the pinned ggml-python source package into
+vendor/, unpacks it under vendor/ggml/, builds and installs it with the requested ggml backends (CPU always, RPC by
+default), then installs this project editable with its test extra. A stamp file in .venv/ records what was done;
+a re-run with the same flags does nothing. Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if sys.version_info < (3, 10):
+    sys.exit(f"build.py: error: Python {sys.version.split()[0]} is too old: kvcache_ggml needs Python >= 3.10")
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+VENV_PY = VENV / "bin" / "python"
+STAMP = VENV / ".kvcache_build.json"
+VENDOR = ROOT / "vendor"
+VENDOR_GGML = VENDOR / "ggml"
+BUILD_LOG = VENDOR / "build.log"
+LOCK = VENDOR / ".build.lock"
+
+GGML_PYTHON_VERSION = "0.0.45"
+# sha256 of ggml_python-0.0.45.tar.gz as published on PyPI
+GGML_PYTHON_SHA256 = "10aac52075cf3c7ef2b00d6c35b1c23f7b018dbeff8ae8df67339b4be1166f05"
+SDIST = VENDOR / f"ggml_python-{GGML_PYTHON_VERSION}.tar.gz"
+SOURCE = VENDOR_GGML / f"ggml_python-{GGML_PYTHON_VERSION}"
+BUILD_DEPS = ("numpy>=1.24", "scikit-build-core>=0.10", "setuptools>=70.1", "typing_extensions>=4.6.3")
+CMAKE_MIN = (3, 21)  # ggml-python's CMakeLists.txt requires 3.21
+PROJECT_EXTRAS = "test"
+STAMP_SCHEMA = 1
+GGML_RECIPE = 2  # bump when the way ggml-python is built changes: forces one rebuild
+COMMANDS = ("test", "demo")
+NETWORK_HINTS = (
+    "NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
+    "Name or service not known", "Network is unreachable", "ConnectionError", "ReadTimeoutError",
+    "No matching distribution found", "Could not find a version that satisfies",
+)
+
+
+class SetupError(Exception):
+    """A failure with a one-line explanation for the user."""
+
+
+@dataclass(slots=True, frozen=True)
+class BuildFlags:
+    cuda: bool  # -DGGML_CUDA
+    cuda_arch: str  # CMAKE_CUDA_ARCHITECTURES ("" = ggml's default)
+    metal: bool  # -DGGML_METAL
+    vulkan: bool  # -DGGML_VULKAN
+    rpc: bool  # -DGGML_RPC (default on)
+
+    def cmake_args(self) -> str:
+        onoff = lambda b: "ON" if b else "OFF"  # noqa: E731
+        args = [f"-DGGML_CUDA={onoff(self.cuda)}", f"-DGGML_METAL={onoff(self.metal)}",
+                f"-DGGML_VULKAN={onoff(self.vulkan)}", f"-DGGML_RPC={onoff(self.rpc)}"]
+        if self.cuda and self.cuda_arch:
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}")
+        return " ".join(args)
+
+    def backends(self) -> list[str]:
+        return ["CPU"] + [n for n, on in (("CUDA", self.cuda), ("Metal", self.metal),
+                                          ("Vulkan", self.vulkan), ("RPC", self.rpc)) if on]
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[str]]:
+    """Options before the first command word are ours; everything after it goes to the command."""
+    split = next((i for i, a in enumerate(argv) if a in COMMANDS), len(argv))
+    ours, command, rest = argv[:split], (argv[split] if split < len(argv) else None), argv[split + 1:]
+    p = argparse.ArgumentParser(prog="build.py", description=__doc__.split("\n\n")[0],
+                                epilog="commands: test [pytest args...], demo [demo args...]")
+    p.add_argument("--cuda", action="store_true", help="build the CUDA backend")
+    p.add_argument("--cuda-arch", default="", metavar="N", help="CMAKE_CUDA_ARCHITECTURES (with --cuda)")
+    p.add_argument("--metal", action="store_true", help="build the Metal backend")
+    p.add_argument("--vulkan", action="store_true", help="build the Vulkan backend")
+    p.add_argument("--rpc", dest="rpc", action="store_true", default=True, help="build the RPC backend (default)")
+    p.add_argument("--no-rpc", dest="rpc", action="store_false", help="do not build the RPC backend")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="parallel compile jobs (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="do not print the summary at the end")
+    args = p.parse_args(ours)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.cuda_arch and not args.cuda:
+        p.error("--cuda-arch needs --cuda")
+    return args, command, rest
+
+
+def say(msg: str) -> None:
+    print(f"[build.py] {msg}", flush=True)
+
+
+def run_logged(cmd: list[str], what: str, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+    """Run cmd; on failure raise SetupError with the tail of its output (kept in `log` when given)."""
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}")
+    if proc.returncode != 0:
+        lines = proc.stdout.rstrip().splitlines()
+        tail = "\n".join(lines[-40:])
+        if any(h in proc.stdout for h in NETWORK_HINTS):
+            raise SetupError(f"{what} failed: cannot download packages (no network or no package index?)\n{tail}")
+        where = f" (full log: {log.relative_to(ROOT)})" if log is not None else ""
+        raise SetupError(f"{what} failed with exit code {proc.returncode}{where}; last lines:\n{tail}")
+    say(f"{what}: done in {time.monotonic() - t0:.1f} s")
+
+
+def pip(*args: str) -> list[str]:
+    return [str(VENV_PY), "-m", "pip", "--disable-pip-version-check", *args]
+
+
+# ---- checks of the host -------------------------------------------------------------------------------------
+
+def find_tool(env_var: str, names: tuple[str, ...]) -> str | None:
+    if os.environ.get(env_var):
+        return shutil.which(os.environ[env_var].split()[0])
+    return next((p for p in map(shutil.which, names) if p), None)
+
+
+def check_toolchain() -> None:
+    if not find_tool("CC", ("gcc", "cc", "clang")):
+        hint = f" (CC={os.environ['CC']!r} not found)" if os.environ.get("CC") else ""
+        raise SetupError(f"no C compiler found{hint}: install gcc (looked for gcc, cc, clang on PATH)")
+    if not find_tool("CXX", ("g++", "c++", "clang++")):
+        hint = f" (CXX={os.environ['CXX']!r} not found)" if os.environ.get("CXX") else ""
+        raise SetupError(f"no C++ compiler found{hint}: install g++ (looked for g++, c++, clang++ on PATH)")
+    cmake = shutil.which("cmake")
+    if not cmake:
+        raise SetupError(f"cmake not found on PATH: install cmake >= {'.'.join(map(str, CMAKE_MIN))}")
+    out = subprocess.run([cmake, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout
+    m = re.search(r"version (\d+)\.(\d+)", out)
+    if not m:
+        raise SetupError(f"cannot read the cmake version from {cmake!r} (output: {out.strip()[:80]!r})")
+    have = (int(m.group(1)), int(m.group(2)))
+    if have < CMAKE_MIN:
+        raise SetupError(f"cmake {have[0]}.{have[1]} at {cmake} is too old: ggml-python needs cmake >= "
+                         f"{'.'.join(map(str, CMAKE_MIN))}")
+
+
+# ---- the stamp ----------------------------------------------------------------------------------------------
+
+def read_stamp() -> dict:
+    try:
+        return json.loads(STAMP.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_stamp(stamp: dict) -> None:
+    tmp = STAMP.with_suffix(".tmp")
+    tmp.write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+    tmp.replace(STAMP)
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def venv_key() -> dict:
+    # the venv only depends on the Python minor version (site-packages/pythonX.Y); ggml-python is pure ctypes
+    return {"schema": STAMP_SCHEMA, "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "build_deps": list(BUILD_DEPS)}
+
+
+def ggml_key(flags: BuildFlags) -> dict:
+    return {"ggml_python": GGML_PYTHON_VERSION, "sha256": GGML_PYTHON_SHA256, "flags": asdict(flags),
+            "recipe": GGML_RECIPE}
+
+
+def project_key() -> dict:
+    return {"pyproject_sha256": file_sha256(ROOT / "pyproject.toml"), "extras": PROJECT_EXTRAS}
+
+
+def ggml_libs_present() -> bool:
+    return any(VENV.glob("lib/python3*/site-packages/ggml/lib/libggml-base.*"))
+
+
+# ---- the stages ---------------------------------------------------------------------------------------------
+
+def stage_venv(stamp: dict) -> dict:
+    if VENV_PY.exists() and stamp.get("venv") == venv_key():
+        return stamp
+    say(f"creating {VENV.relative_to(ROOT)}/ with {sys.executable} ({sys.version.split()[0]})")
+    run_logged([sys.executable, "-m", "venv", "--clear", str(VENV)], "venv")
+    run_logged(pip("install", "--upgrade", *BUILD_DEPS), "installing build dependencies "
+               + ", ".join(re.split(r"[<>=]", d)[0] for d in BUILD_DEPS))
+    stamp = {"venv": venv_key()}  # everything else is gone with --clear
+    write_stamp(stamp)
+    return stamp
+
+
+def fetch_sdist() -> None:
+    if SDIST.exists() and file_sha256(SDIST) == GGML_PYTHON_SHA256:
+        return
+    VENDOR.mkdir(exist_ok=True)
+    say(f"downloading the ggml-python {GGML_PYTHON_VERSION} source package into {VENDOR.relative_to(ROOT)}/")
+    run_logged(pip("download", "--no-deps", "--no-binary", ":all:", f"ggml-python=={GGML_PYTHON_VERSION}",
+                   "-d", str(VENDOR)), "download of ggml-python")
+    if not SDIST.exists():
+        raise SetupError(f"pip did not leave {SDIST.relative_to(ROOT)} (files in vendor/: "
+                         f"{sorted(p.name for p in VENDOR.iterdir())})")
+    got = file_sha256(SDIST)
+    if got != GGML_PYTHON_SHA256:
+        raise SetupError(f"{SDIST.name} has sha256 {got}, expected {GGML_PYTHON_SHA256}: delete it and retry")
+
+
+def unpack_sdist() -> None:
+    marker = SOURCE / ".unpacked"
+    if SOURCE.exists():
+        shutil.rmtree(SOURCE)
+    VENDOR_GGML.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(SDIST) as tar:
+        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(VENDOR_GGML, **extra)
+    if not (SOURCE / "CMakeLists.txt").exists():
+        raise SetupError(f"unpacking {SDIST.name} did not give {SOURCE.relative_to(ROOT)}/CMakeLists.txt")
+    marker.write_text(GGML_PYTHON_SHA256 + "\n")
+
+
+def sources_present() -> bool:
+    marker = SOURCE / ".unpacked"
+    return marker.exists() and marker.read_text().strip() == GGML_PYTHON_SHA256
+
+
+def stage_sources() -> bool:
+    """The unpacked source package (headers for the tests, sources for rebuilds); True when fetched now."""
+    if sources_present():
+        return False
+    fetch_sdist()
+    unpack_sdist()
+    return True
+
+
+def stage_ggml(stamp: dict, flags: BuildFlags, jobs: int) -> dict:
+    if stamp.get("ggml") == ggml_key(flags) and ggml_libs_present():
+        return stamp
+    check_toolchain()
+    stage_sources()
+    # GIT_CEILING_DIRECTORIES: ggml's CMakeLists asks git for its commit; without a ceiling git would find and
+    # report this project's repository
+    env = dict(os.environ, CMAKE_ARGS=flags.cmake_args(), CMAKE_BUILD_PARALLEL_LEVEL=str(jobs),
+               GIT_CEILING_DIRECTORIES=str(VENDOR))
+    say(f"building ggml-python {GGML_PYTHON_VERSION} ({', '.join(flags.backends())}) with {jobs} job(s), "
+        f"CMAKE_ARGS={env['CMAKE_ARGS']!r}; log: {BUILD_LOG.relative_to(ROOT)}")
+    # a persistent build folder per flag set makes a rebuild with the same flags incremental
+    build_dir = VENDOR_GGML / "build" / hashlib.sha256(flags.cmake_args().encode()).hexdigest()[:12]
+    run_logged(pip("install", "--no-build-isolation", "--no-deps", "--no-cache-dir", "--force-reinstall",
+                   "-v", "-C", f"build-dir={build_dir}", str(SOURCE)),
+               f"build of ggml-python {GGML_PYTHON_VERSION}", env=env, log=BUILD_LOG)
+    stamp = {**stamp, "ggml": ggml_key(flags)}
+    write_stamp(stamp)
+    return stamp
+
+
+def stage_project(stamp: dict) -> dict:
+    if stamp.get("project") == project_key():
+        return stamp
+    say(f"installing kvcache_ggml editable with extras [{PROJECT_EXTRAS}]")
+    run_logged(pip("install", "--no-build-isolation", "-e", f".[{PROJECT_EXTRAS}]"), "install of kvcache_ggml")
+    stamp = {**stamp, "project": project_key(), "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    write_stamp(stamp)
+    return stamp
+
+
+@contextlib.contextmanager
+def build_lock():
+    """Serialise concurrent build.py runs in one checkout."""
+    VENDOR.mkdir(exist_ok=True)
+    with open(LOCK, "w") as fh:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no locking
+            yield
+            return
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def setup(flags: BuildFlags, jobs: int) -> bool:
+    """Bring .venv/ up to date; return True when anything was done."""
+    with build_lock():
+        before = read_stamp()
+        stamp = stage_venv(before)
+        stamp = stage_ggml(stamp, flags, jobs)
+        fetched = stage_sources()
+        stamp = stage_project(stamp)
+    return stamp != before or fetched
+
+
+def summary() -> None:
+    proc = subprocess.run([str(VENV_PY), "-m", "kvcache_ggml", "info"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise SetupError(f"the installed ggml does not load (python -m kvcache_ggml info exited "
+                         f"{proc.returncode}):\n{proc.stdout.strip()}")
+    for line in proc.stdout.rstrip().splitlines():
+        say(line)
+
+
+def main(argv: list[str]) -> int:
+    args, command, rest = parse_args(argv)
+    flags = BuildFlags(cuda=args.cuda, cuda_arch=str(args.cuda_arch), metal=args.metal, vulkan=args.vulkan,
+                       rpc=args.rpc)
+    t0 = time.monotonic()
+    try:
+        did_work = setup(flags, args.jobs)
+        if did_work:
+            say(f"set-up finished in {time.monotonic() - t0:.1f} s")
+        if not args.quiet and (did_work or command is None):
+            summary()
+    except SetupError as e:
+        first, _, details = str(e).partition("\n")
+        if details:
+            print(details, file=sys.stderr)
+        print(f"build.py: error: {first}", file=sys.stderr)
+        return 2
+    if command == "test":
+        return subprocess.call([str(VENV_PY), "-m", "pytest", *rest], cwd=ROOT)
+    if command == "demo":
+        return subprocess.call([str(VENV_PY), "-m", "kvcache_ggml", "demo", *rest], cwd=ROOT)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

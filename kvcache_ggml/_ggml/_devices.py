@@ -1,0 +1,95 @@
+"""Versions, backend registries and devices known to ggml, and the RPC entry points when RPC is built."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+from ._lib import DEFINED_IN, FUNCTIONS as _F, GGML_PYTHON_VERSION, LIBRARIES, has
+from ._owners import dev_memory
+from ._types import DeviceType, _cstr
+
+
+@dataclass(slots=True, frozen=True)
+class Device:
+    ptr: int  # ggml_backend_dev_t
+    name: str  # "CPU", "RPC0", "CUDA0", ...
+    description: str  # e.g. the CPU model
+    type: DeviceType  # CPU, GPU, IGPU, ACCEL, META
+    memory_free: int  # bytes
+    memory_total: int  # bytes
+    registry: str  # name of the backend registry it belongs to ("CPU", "RPC", ...)
+
+
+def version() -> str:
+    """ggml's version string (ggml_version)."""
+    return _cstr(_F["ggml_version"]())
+
+
+def commit() -> str:
+    return _cstr(_F["ggml_commit"]())
+
+
+def registries() -> list[str]:
+    """Names of the registered backends ("RPC", "CPU", ...)."""
+    return [_cstr(_F["ggml_backend_reg_name"](_F["ggml_backend_reg_get"](i)))
+            for i in range(_F["ggml_backend_reg_count"]())]
+
+
+def _device(dev: int) -> Device:
+    free, total = dev_memory(dev)
+    return Device(ptr=dev, name=_cstr(_F["ggml_backend_dev_name"](dev)),
+                  description=_cstr(_F["ggml_backend_dev_description"](dev)),
+                  type=DeviceType(_F["ggml_backend_dev_type"](dev)), memory_free=free, memory_total=total,
+                  registry=_cstr(_F["ggml_backend_reg_name"](_F["ggml_backend_dev_backend_reg"](dev))))
+
+
+def devices() -> list[Device]:
+    return [_device(_F["ggml_backend_dev_get"](i)) for i in range(_F["ggml_backend_dev_count"]())]
+
+
+def device(name: str) -> Device:
+    dev = _F["ggml_backend_dev_by_name"](name.encode())
+    if not dev:
+        raise ValueError(f"no ggml device named {name!r}; devices: {', '.join(d.name for d in devices())}")
+    return _device(dev)
+
+
+def rpc_available() -> bool:
+    return has("ggml_backend_rpc_add_server")
+
+
+def _need_rpc() -> None:
+    if not rpc_available():
+        raise RuntimeError("ggml was built without RPC: rebuild with `python3 build.py --rpc`")
+
+
+def rpc_add_server(endpoint: str) -> int:
+    """Register the RPC server at endpoint ("host:port"); returns its ggml_backend_reg_t."""
+    _need_rpc()
+    reg = _F["ggml_backend_rpc_add_server"](endpoint.encode())
+    if not reg:
+        raise RuntimeError(f"cannot add the RPC server {endpoint!r}")
+    return reg
+
+
+def rpc_start_server(endpoint: str, devs: list[Device], n_threads: int = 1, cache_dir: str | None = None) -> None:
+    """Serve devs over RPC at endpoint; blocks for the life of the process (run it in a subprocess)."""
+    _need_rpc()
+    if not devs:
+        raise ValueError("rpc_start_server needs at least one device")
+    arr = (ctypes.c_void_p * len(devs))(*(d.ptr for d in devs))
+    _F["ggml_backend_rpc_start_server"](endpoint.encode(), None if cache_dir is None else cache_dir.encode(),
+                                        n_threads, len(devs), arr)
+
+
+def summary_lines() -> list[str]:
+    """What is built: versions, libraries, backends, devices."""
+    lines = [f"ggml {version()} (commit {commit()}) through ggml-python {GGML_PYTHON_VERSION}",
+             f"libraries: {', '.join(LIBRARIES)}",
+             f"backends: {', '.join(registries())}"]
+    for d in devices():
+        gib = 2**30
+        mem = f"{d.memory_free / gib:.1f}/{d.memory_total / gib:.1f} GiB free" if d.memory_total else "no memory info"
+        lines.append(f"device {d.name}: {d.type.name}, {d.description}, {mem}")
+    lines.append(f"binding table: {len(_F)} C functions ({sum(1 for n in DEFINED_IN if 'rpc' in n)} RPC)")
+    return lines

@@ -1,0 +1,256 @@
+"""Reading the fields of a `struct ggml_tensor *` and moving its data to and from numpy.
+
+Shapes: ggml lists dimensions fastest first (`ne[0]` is the row length); numpy slowest first. `np_shape(ne)` is the
+one place that turns one into the other.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import numpy as np
+
+from ._lib import FUNCTIONS as _F
+from ._lib import TensorP
+from ._types import (GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MEM_ALIGN, GGML_MAX_SRC, GGMLOp, GGMLType, _cstr, is_quantized,
+                     parse_type, row_size, type_name)
+
+# numpy dtype of each element type; bf16 has no numpy dtype and comes back as its raw 16-bit patterns
+_NP_DTYPES: dict[GGMLType, np.dtype] = {
+    GGMLType.F32: np.dtype(np.float32), GGMLType.F16: np.dtype(np.float16), GGMLType.BF16: np.dtype(np.uint16),
+    GGMLType.F64: np.dtype(np.float64), GGMLType.I8: np.dtype(np.int8), GGMLType.I16: np.dtype(np.int16),
+    GGMLType.I32: np.dtype(np.int32), GGMLType.I64: np.dtype(np.int64),
+}
+_GGML_TYPES: dict[np.dtype, GGMLType] = {d: t for t, d in _NP_DTYPES.items() if t != GGMLType.BF16}
+
+
+def _c(t: TensorP) -> ctypes.Structure:
+    if not t:
+        raise ValueError("NULL ggml_tensor pointer")
+    return t.contents
+
+
+def addr(t: TensorP | None) -> int:
+    """Address of the struct ggml_tensor (0 for NULL): compare tensors with it, or key dicts by it."""
+    return ctypes.addressof(t.contents) if t else 0
+
+
+def ne(t: TensorP) -> tuple[int, int, int, int]:
+    """Elements per dimension, ggml order (ne0 = row length, ne1, ne2, ne3)."""
+    return tuple(_c(t).ne)  # type: ignore[return-value]
+
+
+def nb(t: TensorP) -> tuple[int, int, int, int]:
+    """Strides in bytes, ggml order (nb0 = bytes per block, nb1 = bytes per row, ...)."""
+    return tuple(_c(t).nb)  # type: ignore[return-value]
+
+
+def ttype(t: TensorP) -> GGMLType:
+    return GGMLType(_c(t).type)
+
+
+def name(t: TensorP) -> str:
+    return _cstr(_c(t).name)
+
+
+def set_name(t: TensorP, value: str) -> TensorP:
+    """ggml_set_name, refusing names ggml would cut (at most GGML_MAX_NAME - 1 bytes)."""
+    raw = value.encode()
+    if len(raw) >= GGML_MAX_NAME:
+        raise ValueError(f"tensor name {value!r} is {len(raw)} bytes; ggml keeps at most {GGML_MAX_NAME - 1}")
+    return _F["ggml_set_name"](t, raw)
+
+
+def data_ptr(t: TensorP) -> int:
+    """Address of the tensor's first element (0 when not allocated)."""
+    return _c(t).data or 0
+
+
+def buffer(t: TensorP) -> int:
+    """The ggml_backend_buffer_t holding the data (0 when none: context memory or not allocated)."""
+    return _c(t).buffer or 0
+
+
+def view_offs(t: TensorP) -> int:
+    return _c(t).view_offs
+
+
+def view_src(t: TensorP) -> TensorP | None:
+    p = _c(t).view_src
+    return p if p else None
+
+
+def op(t: TensorP) -> GGMLOp:
+    return GGMLOp(_c(t).op)
+
+
+def src(t: TensorP, i: int) -> TensorP | None:
+    """Source i of the op that computes t (None when unused)."""
+    if not 0 <= i < GGML_MAX_SRC:
+        raise ValueError(f"source index {i} out of range [0, {GGML_MAX_SRC})")
+    p = _c(t).src[i]
+    return p if p else None
+
+
+def nbytes(t: TensorP) -> int:
+    return _F["ggml_nbytes"](t)
+
+
+def nelements(t: TensorP) -> int:
+    return _F["ggml_nelements"](t)
+
+
+def is_contiguous(t: TensorP) -> bool:
+    return bool(_F["ggml_is_contiguous"](t))
+
+
+def is_host(t: TensorP) -> bool:
+    """True when the data can be read in place by the CPU (host buffer, or context memory)."""
+    buf = buffer(t)
+    if buf:
+        return bool(_F["ggml_backend_buffer_is_host"](buf))
+    return data_ptr(t) != 0
+
+
+def _n_dims(ne_: Sequence[int]) -> int:
+    # as ggml_n_dims: trailing dimensions of 1 do not count, at least one dimension
+    n = GGML_MAX_DIMS
+    while n > 1 and ne_[n - 1] == 1:
+        n -= 1
+    return n
+
+
+def np_shape(ne_: Sequence[int], ndim: int | None = None) -> tuple[int, ...]:
+    """numpy shape of a ggml `ne`: reversed, trailing ggml dimensions of 1 dropped unless ndim (1..4) is given."""
+    if len(ne_) != GGML_MAX_DIMS:
+        raise ValueError(f"ne must have {GGML_MAX_DIMS} entries, got {len(ne_)}: {tuple(ne_)}")
+    n = _n_dims(ne_) if ndim is None else ndim
+    if not 1 <= n <= GGML_MAX_DIMS or any(d != 1 for d in ne_[n:]):
+        raise ValueError(f"ndim {ndim} cannot hold ne {tuple(ne_)} (1 <= ndim <= {GGML_MAX_DIMS}, "
+                         f"dimensions past ndim must be 1)")
+    return tuple(int(d) for d in reversed(ne_[:n]))
+
+
+def np_dtype(t: str | int) -> np.dtype:
+    """numpy dtype of one element of type t; uint8 for quantized types (their data are raw bytes rows)."""
+    tt = parse_type(t)
+    if is_quantized(tt):
+        return np.dtype(np.uint8)
+    if tt not in _NP_DTYPES:
+        raise ValueError(f"no numpy dtype for ggml type {type_name(tt)}")
+    return _NP_DTYPES[tt]
+
+
+def _layout(t: TensorP, ndim: int | None) -> tuple[np.dtype, tuple[int, ...], tuple[int, ...], int]:
+    """(dtype, numpy shape, numpy strides, bytes spanned) of t; quantized rows are counted in bytes."""
+    tt = ttype(t)
+    ne_, nb_ = list(ne(t)), list(nb(t))
+    if is_quantized(tt):
+        ne_[0], nb_[0] = row_size(tt, ne_[0]), 1
+    shape = np_shape(ne_, ndim)
+    strides = tuple(reversed(nb_[:len(shape)]))
+    return np_dtype(tt), shape, strides, nbytes(t)
+
+
+def to_numpy(t: TensorP, copy: bool = False, ndim: int | None = None) -> np.ndarray:
+    """The tensor's data as a numpy array of shape np_shape(ne) (strides from nb).
+
+    copy=False: a view of host memory (valid while the buffer or context lives); refused for device buffers.
+    copy=True: a copy, from any buffer (ggml_backend_tensor_get for device buffers).
+    Quantized types come back as raw bytes rows: uint8, shape [..., row_size(type, ne0)]; bf16 as uint16 bits.
+    """
+    dtype, shape, strides, span = _layout(t, ndim)
+    if nelements(t) == 0:
+        return np.zeros(shape, dtype)
+    data = data_ptr(t)
+    if not data:
+        raise ValueError(f"tensor {name(t)!r} has no data: allocate it in a buffer or an allocating context first")
+    if is_host(t):
+        raw = (ctypes.c_uint8 * span).from_address(data)
+        view = np.ndarray(shape, dtype, buffer=raw, strides=strides)
+        return view.copy() if copy else view
+    if not copy:
+        raise ValueError(f"tensor {name(t)!r} lives in a device buffer; use to_numpy(t, copy=True)")
+    raw_copy = np.empty(span, np.uint8)
+    _F["ggml_backend_tensor_get"](t, raw_copy.ctypes.data, 0, span)
+    return np.ndarray(shape, dtype, buffer=raw_copy, strides=strides).copy()
+
+
+def _checked_array(t: TensorP, array: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+    dtype, shape, _, _ = _layout(t, None)
+    a = np.asarray(array)
+    if a.dtype != dtype:
+        if not np.can_cast(a.dtype, dtype, casting="same_kind"):
+            raise ValueError(f"cannot store {a.dtype} data in {type_name(ttype(t))} tensor {name(t)!r} "
+                             f"(numpy dtype {dtype})")
+        a = a.astype(dtype)
+    if tuple(d for d in a.shape if d != 1) != tuple(d for d in shape if d != 1):
+        raise ValueError(f"array of shape {a.shape} does not fit tensor {name(t)!r} of numpy shape {shape} "
+                         f"(ne {ne(t)})")
+    return a, shape
+
+
+def set_tensor(t: TensorP, array: np.ndarray) -> None:
+    """Write array (numpy shape np_shape(ne), up to dimensions of 1) into the tensor's data."""
+    a, shape = _checked_array(t, array)
+    if not data_ptr(t):
+        raise ValueError(f"tensor {name(t)!r} has no data: allocate it in a buffer or an allocating context first")
+    if is_host(t):
+        to_numpy(t)[...] = a.reshape(shape)
+        return
+    if not is_contiguous(t):
+        raise ValueError(f"tensor {name(t)!r} is a non-contiguous view in a device buffer; write its source")
+    c = np.ascontiguousarray(a)
+    _F["ggml_backend_tensor_set"](t, c.ctypes.data, 0, c.nbytes)
+
+
+_NEW_TENSOR = ("ggml_new_tensor_1d", "ggml_new_tensor_2d", "ggml_new_tensor_3d", "ggml_new_tensor_4d")
+
+
+def _context_room(ctx: int, type_: GGMLType, ne_: tuple[int, ...]) -> None:
+    # ggml_new_tensor aborts the process when the context is full; check first (ggml.c: ggml_new_object)
+    overhead = _F["ggml_tensor_overhead"]()
+    object_size = overhead - ctypes.sizeof(TensorP._type_)
+    data = 0 if _F["ggml_get_no_alloc"](ctx) else row_size(type_, ne_[0]) * int(np.prod(ne_[1:], dtype=np.int64))
+    tensor_and_data = ctypes.sizeof(TensorP._type_) + data
+    needed = object_size + (tensor_and_data + GGML_MEM_ALIGN - 1) // GGML_MEM_ALIGN * GGML_MEM_ALIGN
+    free = _F["ggml_get_mem_size"](ctx) - _F["ggml_used_mem"](ctx)
+    if needed > free:
+        raise MemoryError(f"ggml context has {free} bytes free; a {type_name(type_)} tensor of ne {ne_} needs "
+                          f"{needed}")
+
+
+def new_tensor(ctx: int, type_: str | int, ne_: Sequence[int], name_: str | None = None) -> TensorP:
+    """A new tensor in context ctx (a ggml_context pointer or a Context) with ne_ = (ne0[, ne1[, ne2[, ne3]]])."""
+    ctx = getattr(ctx, "ptr", ctx)
+    tt = parse_type(type_)
+    dims = tuple(int(d) for d in ne_)
+    if not 1 <= len(dims) <= GGML_MAX_DIMS or any(d < 0 for d in dims):
+        raise ValueError(f"ne {dims}: need 1..{GGML_MAX_DIMS} dimensions, each >= 0")
+    row_size(tt, dims[0])  # ne0 must be a whole number of blocks
+    _context_room(ctx, tt, dims)
+    t = _F[_NEW_TENSOR[len(dims) - 1]](ctx, tt, *dims)
+    if name_ is not None:
+        set_name(t, name_)
+    return t
+
+
+def from_numpy(ctx: int, array: np.ndarray, name_: str | None = None, type_: str | int | None = None) -> TensorP:
+    """A new tensor in an allocating context holding a copy of array (ne = reversed array shape)."""
+    a = np.asarray(array)
+    if type_ is None:
+        if a.dtype not in _GGML_TYPES:
+            raise ValueError(f"no ggml type for numpy dtype {a.dtype}; valid: "
+                             f"{', '.join(str(d) for d in _GGML_TYPES)} (or pass type_)")
+        type_ = _GGML_TYPES[a.dtype]
+    if a.ndim > GGML_MAX_DIMS:
+        raise ValueError(f"array has {a.ndim} dimensions; ggml has at most {GGML_MAX_DIMS}")
+    if _F["ggml_get_no_alloc"](getattr(ctx, "ptr", ctx)):
+        raise ValueError("from_numpy needs an allocating context (no_alloc=False); with no_alloc, create the "
+                         "tensor with new_tensor, allocate it in a buffer, then call set_tensor")
+    ne_ = tuple(reversed(a.shape)) or (1,)
+    if is_quantized(parse_type(type_)):
+        raise ValueError("from_numpy makes element tensors; quantized data: new_tensor then set_tensor")
+    t = new_tensor(ctx, type_, ne_, name_)
+    set_tensor(t, a)
+    return t

@@ -1,0 +1,112 @@
+"""ggml's enums (tensor types, ops, statuses, device types) read from the library, and type arithmetic."""
+from __future__ import annotations
+
+from enum import IntEnum
+
+from ._lib import FUNCTIONS as _F
+from ._lib import _decl
+
+GGML_MAX_DIMS: int = _decl.GGML_MAX_DIMS  # 4
+GGML_MAX_SRC: int = _decl.GGML_MAX_SRC  # 10
+GGML_MAX_NAME: int = _decl.GGML_MAX_NAME  # 64, including the terminating NUL
+GGML_MEM_ALIGN: int = _decl.GGML_MEM_ALIGN  # 16 on 64-bit hosts
+GGML_DEFAULT_GRAPH_SIZE: int = _decl.GGML_DEFAULT_GRAPH_SIZE  # 2048
+GGML_TYPE_COUNT: int = _decl.GGML_TYPE_COUNT
+GGML_OP_COUNT: int = _decl.GGML_OP_COUNT
+GGML_ROPE_TYPE_NORMAL: int = _decl.GGML_ROPE_TYPE_NORMAL
+GGML_ROPE_TYPE_NEOX: int = _decl.GGML_ROPE_TYPE_NEOX
+GGML_ROPE_TYPE_MROPE: int = _decl.GGML_ROPE_TYPE_MROPE
+GGML_ROPE_TYPE_VISION: int = _decl.GGML_ROPE_TYPE_VISION
+GGML_ROPE_TYPE_IMROPE: int = _decl.GGML_ROPE_TYPE_IMROPE
+
+
+def _cstr(b: bytes | None) -> str:
+    return "" if b is None else b.decode("utf-8", "replace")
+
+
+def _type_members() -> dict[str, int]:
+    # removed types keep a slot with block size 0 ("DEPRECATED", "... REMOVED ...")
+    return {_cstr(_F["ggml_type_name"](t)).upper(): t
+            for t in range(GGML_TYPE_COUNT) if _F["ggml_blck_size"](t) > 0}
+
+
+GGMLType = IntEnum("GGMLType", _type_members(), module=__name__)  # enum ggml_type: F32=0, F16=1, ..., Q8_0=8
+GGMLType.__doc__ = "enum ggml_type, members named after ggml_type_name() upper-cased (F32, F16, Q8_0, Q4_K, BF16, ...)"
+
+GGMLOp = IntEnum("GGMLOp", {_cstr(_F["ggml_op_name"](i)): i for i in range(GGML_OP_COUNT)}, module=__name__)
+GGMLOp.__doc__ = "enum ggml_op, members named after ggml_op_name() (NONE, DUP, ADD, ..., SET_ROWS, ROPE, ...)"
+
+
+class Status(IntEnum):
+    """enum ggml_status"""
+    ALLOC_FAILED = _decl.GGML_STATUS_ALLOC_FAILED
+    FAILED = _decl.GGML_STATUS_FAILED
+    SUCCESS = _decl.GGML_STATUS_SUCCESS
+    ABORTED = _decl.GGML_STATUS_ABORTED
+
+
+class DeviceType(IntEnum):
+    """enum ggml_backend_dev_type"""
+    CPU = _decl.GGML_BACKEND_DEVICE_TYPE_CPU
+    GPU = _decl.GGML_BACKEND_DEVICE_TYPE_GPU
+    IGPU = _decl.GGML_BACKEND_DEVICE_TYPE_IGPU
+    ACCEL = _decl.GGML_BACKEND_DEVICE_TYPE_ACCEL
+    META = _decl.GGML_BACKEND_DEVICE_TYPE_META
+
+
+_BY_NAME: dict[str, GGMLType] = {t.name.lower(): t for t in GGMLType}
+
+
+def type_names() -> list[str]:
+    """ggml's names of the usable tensor types, in enum order ("f32", "f16", "q4_0", ..., "q2_K", ...)."""
+    return [type_name(t) for t in GGMLType]
+
+
+def type_name(t: int) -> str:
+    """ggml_type_name(t): "f32", "q8_0", "q4_K", ..."""
+    return _cstr(_F["ggml_type_name"](parse_type(t)))
+
+
+def parse_type(t: str | int) -> GGMLType:
+    """A GGMLType from a name (case-insensitive: "f16", "Q8_0", "q4_k") or an enum value."""
+    if isinstance(t, str):
+        found = _BY_NAME.get(t.strip().lower())
+        if found is None:
+            raise ValueError(f"unknown ggml type name {t!r}; valid names: {', '.join(type_names())}")
+        return found
+    try:
+        return GGMLType(int(t))
+    except ValueError:
+        raise ValueError(f"invalid ggml type value {t!r}; valid values: "
+                         f"{', '.join(f'{m.value} ({m.name})' for m in GGMLType)}") from None
+
+
+def type_size(t: str | int) -> int:
+    """Bytes per block of type t (ggml_type_size): 4 for f32, 34 for q8_0."""
+    return _F["ggml_type_size"](parse_type(t))
+
+
+def blck_size(t: str | int) -> int:
+    """Elements per block of type t (ggml_blck_size): 1 for f32, 32 for q8_0."""
+    return _F["ggml_blck_size"](parse_type(t))
+
+
+def is_quantized(t: str | int) -> bool:
+    return bool(_F["ggml_is_quantized"](parse_type(t)))
+
+
+def row_size(t: str | int, n: int) -> int:
+    """Bytes of n elements of type t (ggml_row_size); n must be a multiple of the block size."""
+    tt = parse_type(t)
+    blck = blck_size(tt)
+    if n < 0 or n % blck:
+        raise ValueError(f"row of {n} elements of type {type_name(tt)}: must be >= 0 and a multiple of the "
+                         f"block size {blck}")
+    return _F["ggml_row_size"](tt, n)
+
+
+def op_name(op: int) -> str:
+    """ggml_op_name(op): "SET_ROWS", "ROPE", ..."""
+    if not 0 <= int(op) < GGML_OP_COUNT:
+        raise ValueError(f"ggml op {op} out of range [0, {GGML_OP_COUNT})")
+    return _cstr(_F["ggml_op_name"](int(op)))
