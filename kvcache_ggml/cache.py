@@ -311,12 +311,14 @@ class KVCache(TensorMixin, GraphMixin, InputMixin, StateMixin):
         del embd_all
         balloc.split_reset()
         ubatches = []
-        while True:
+        n_tokens = balloc.get_n_tokens()
+        # the seed splits until an empty ubatch; once every token is used the next split is empty for sure
+        while balloc.get_n_used() < n_tokens:
             ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True)
             if ub.n_tokens == 0:
                 break
             ubatches.append(ub)
-        if balloc.get_n_used() < balloc.get_n_tokens():
+        if balloc.get_n_used() < n_tokens:
             return KVCacheContext(self, status=MemoryStatus.FAILED_PREPARE)
         size = self.get_size()
         for ub in ubatches:
@@ -357,8 +359,10 @@ class KVCache(TensorMixin, GraphMixin, InputMixin, StateMixin):
                 break
             res.append(sinfo)
             heads_old = list(self.v_heads)
-            if k == last and all(not (self.v_cells[st].pos_array[idx] >= 0).any()
-                                 for st, idx in zip(sinfo.strm, sinfo.idxs)):
+            # without SWA every found cell is empty; with SWA a found cell may hold a masked token
+            if k == last and (self.swa_type == SwaType.NONE or
+                              all(not (self.v_cells[st].pos_array[idx] >= 0).any()
+                                  for st, idx in zip(sinfo.strm, sinfo.idxs))):
                 # the last ubatch lands on empty cells only: placing it and rolling it back changes no cell
                 states.append((sinfo, heads_old, None))
                 break

@@ -440,6 +440,15 @@ class KVCells:
 
         ``seq_ids`` is int32 [n, w]: the sequences of each cell, padded with -1 (the ubatch layout).
         """
+        if idxs.size == 1 and seq_ids.shape[1] == 1:
+            i, p, s = int(idxs[0]), int(pos[0]), int(seq_ids[0, 0])
+            self._pos[i] = p
+            if ext is not None:
+                self._ext[i] = ext[0]
+            self._used_insert(idxs)
+            self._seq[s >> 6, i] |= _BIT[s & 63]
+            self._ms(s).inc(p)
+            return
         self._pos[idxs] = pos
         if ext is not None:
             self._ext[idxs] = ext
