@@ -72,3 +72,9 @@ def demo(args: argparse.Namespace) -> int:
     print(f"rope_ext (norm, positions {pos.tolist()}): max |ggml - numpy| = {err_rope:.2e} -> "
           f"{'OK' if ok_rope else 'MISMATCH'}")
     return 0 if ok_rows and ok_rope else 1
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcache_ggml demo", description=__doc__)
+    ap.add_argument("--threads", type=int, default=1, help="CPU backend threads (default: %(default)s)")
+    return demo(ap.parse_args(argv))
