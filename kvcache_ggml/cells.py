@@ -36,6 +36,7 @@ __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ"]
 _ONE = np.uint64(1)
 _BIT = [np.uint64(1 << b) for b in range(64)]
 _I32_MAX = np.iinfo(np.int32).max
+_FEW = 64  # find() scans backwards for this many cells of a sequence or fewer
 _NO_CELLS = np.empty(0, np.int64)
 _NO_CELLS.flags.writeable = False
 
@@ -79,6 +80,15 @@ class _PosMultiset:
         else:
             keys.insert(k, p)
             self.counts.insert(k, 1)
+
+    def count_in(self, p0: int, p1: int, limit: int) -> int:
+        """Cells holding a position in [p0, p1); any value above ``limit`` is reported as ``limit + 1``."""
+        keys, counts = self.keys, self.counts
+        a = bisect_left(keys, p0)
+        b = bisect_left(keys, p1, a)
+        if b - a > limit:
+            return limit + 1
+        return sum(counts[a:b])
 
     def dec(self, p: int) -> None:
         keys = self.keys
@@ -344,11 +354,16 @@ class KVCells:
         Only the used range is scanned, and nothing when the sequence has no position in [p0, p1).
         """
         p0 = max(p0, 0)
+        lo, hi = self.used_min(), self.used_max_p1()
         if seq_id >= 0:
             ms = self._seq_pos.get(seq_id)
             if not ms or p0 > ms.keys[-1] or p1 <= ms.keys[0]:
                 return _NO_CELLS
-        lo, hi = self.used_min(), self.used_max_p1()
+            want = ms.count_in(p0, p1, _FEW)
+            if want == 0:
+                return _NO_CELLS
+            if want <= _FEW:
+                return self._find_few(p0, p1, seq_id, want, lo, hi)
         pos = self._pos[lo:hi]
         # empty cells hold -1 < p0, and no position reaches INT32_MAX
         sel = (pos >= p0) if p1 >= _I32_MAX else (pos >= p0) & (pos < p1)
@@ -358,6 +373,27 @@ class KVCells:
         if seq_id >= 0 and idxs.size:
             idxs = idxs[(self._seq[seq_id >> 6, idxs] & _BIT[seq_id & 63]) != 0]
         return idxs
+
+    def _find_few(self, p0: int, p1: int, seq_id: int, want: int, lo: int, hi: int) -> np.ndarray:
+        """The ``want`` cells of ``seq_id`` in [p0, p1), scanning back from the last used cell in growing chunks
+        (recent tokens sit near the end): O(1) for the decode pattern, a full scan at worst."""
+        pos, row, bit = self._pos, self._seq[seq_id >> 6], _BIT[seq_id & 63]
+        found, n, step = [], 0, 64
+        while hi > lo and n < want:
+            a = max(lo, hi - step)
+            seg = pos[a:hi]
+            idx = ((seg >= p0) & (seg < p1)).nonzero()[0]
+            if idx.size:
+                idx += a
+                idx = idx[(row[idx] & bit) != 0]
+                if idx.size:
+                    found.append(idx)
+                    n += idx.size
+            hi, step = a, step * 4
+        assert n == want, f"seq {seq_id}: {n} cells in [{p0}, {p1}), its position multiset says {want}"
+        if len(found) == 1:
+            return found[0]
+        return np.concatenate(found[::-1])
 
     # ------------------------------------------------------------------ vectorised mutators
 
