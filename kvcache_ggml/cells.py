@@ -106,18 +106,41 @@ class _PosMultiset:
             for p in ps.tolist():
                 f(p)
             return
-        u, c = np.unique(ps, return_counts=True)
+        u, c = _sorted_counts(ps)
         if not self.keys:
             assert sign > 0, "removing positions from an empty multiset"
             self.keys, self.counts = u.tolist(), c.tolist()
             return
-        keys = np.concatenate([np.asarray(self.keys, dtype=np.int64), u.astype(np.int64)])
-        counts = np.concatenate([np.asarray(self.counts, dtype=np.int64), sign * c.astype(np.int64)])
-        uk, inv = np.unique(keys, return_inverse=True)
-        tot = np.bincount(inv, weights=counts, minlength=uk.size).astype(np.int64)
-        assert (tot >= 0).all(), "removing positions that are not in the multiset"
-        keep = tot > 0
-        self.keys, self.counts = uk[keep].tolist(), tot[keep].tolist()
+        keys = np.array(self.keys, dtype=np.int64)
+        counts = np.array(self.counts, dtype=np.int64)
+        k = np.searchsorted(keys, u)
+        hit = k < keys.size
+        hit[hit] = keys[k[hit]] == u[hit]
+        if hit.all():  # no new position: adjust counts in place (every removal takes this path)
+            counts[k] += sign * c
+            assert (counts >= 0).all(), "removing positions that are not in the multiset"
+            keep = counts > 0
+            if keep.all():
+                self.counts = counts.tolist()
+            else:
+                self.keys, self.counts = keys[keep].tolist(), counts[keep].tolist()
+            return
+        assert sign > 0, "removing positions that are not in the multiset"
+        counts[k[hit]] += c[hit]
+        merged = np.concatenate([keys, u[~hit]])
+        order = np.argsort(merged, kind="stable")
+        self.keys = merged[order].tolist()
+        self.counts = np.concatenate([counts, c[~hit]])[order].tolist()
+
+
+def _sorted_counts(ps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values of ``ps`` ascending, and how often each occurs (np.unique without its overhead)."""
+    s = np.sort(ps.astype(np.int64, copy=False))
+    start = np.empty(s.size, bool)
+    start[0] = True
+    np.not_equal(s[1:], s[:-1], out=start[1:])
+    first = start.nonzero()[0]
+    return s[first], np.diff(np.append(first, s.size))
 
 
 class KVCells:

@@ -292,3 +292,26 @@ def test_rebuild_indices_matches_incremental():
     c._rebuild_indices()
     assert {s: (c.seq_pos_min(s), c.seq_pos_max(s)) for s in range(8)} == before
     assert (c.used_min(), c.used_max_p1(), c.get_used()) == (lo, hi, n)
+
+
+def test_position_multiset_bulk_updates_match_a_counter():
+    import collections
+    from kvcache_ggml.cells import _PosMultiset
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        m, ref = _PosMultiset(), collections.Counter()
+        for _ in range(10):
+            if rng.random() < 0.6 or not ref:
+                ps = rng.integers(0, 40, size=int(rng.integers(1, 30)))
+                m.update(ps, +1)
+                ref.update(ps.tolist())
+            else:
+                items = list(ref.elements())
+                pick = rng.choice(len(items), size=min(len(items), int(rng.integers(1, 30))), replace=False)
+                ps = np.array([items[i] for i in pick])
+                m.update(ps, -1)
+                ref.subtract(ps.tolist())
+                ref = +ref
+            assert m.keys == sorted(ref) and m.counts == [ref[k] for k in sorted(ref)]
+            lo, hi = 5, 20
+            assert m.count_in(lo, hi, 10**6) == sum(v for k, v in ref.items() if lo <= k < hi)
