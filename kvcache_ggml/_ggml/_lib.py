@@ -55,6 +55,9 @@ REQUIRED: tuple[str, ...] = (
     "ggml_cont", "ggml_cont_2d", "ggml_cont_3d", "ggml_set_rows", "ggml_get_rows", "ggml_pad", "ggml_cast",
     "ggml_cpy", "ggml_rope_ext", "ggml_rope_ext_inplace", "ggml_add", "ggml_mul", "ggml_scale", "ggml_mul_mat",
     "ggml_soft_max_ext",
+    # ggml.h: ops of the llama runtime's decoder graph (kvcache_ggml/runtime/graph.py)
+    "ggml_rms_norm", "ggml_swiglu_split", "ggml_flash_attn_ext", "ggml_flash_attn_ext_set_prec",
+    "ggml_mul_mat_set_prec",
     "ggml_set_input", "ggml_set_output", "ggml_set_name", "ggml_get_name", "ggml_get_first_tensor",
     "ggml_get_next_tensor", "ggml_get_tensor",
     "ggml_nbytes", "ggml_nelements", "ggml_nrows", "ggml_row_size", "ggml_type_size", "ggml_blck_size",

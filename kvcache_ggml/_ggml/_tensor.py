@@ -71,6 +71,11 @@ def buffer(t: TensorP) -> int:
     return _c(t).buffer or 0
 
 
+def set_buffer(t: TensorP, buf: int) -> None:
+    """Point t at backend buffer buf without data (a dummy buffer, so that a scheduler leaves t alone)."""
+    _c(t).buffer = buf
+
+
 def view_offs(t: TensorP) -> int:
     return _c(t).view_offs
 

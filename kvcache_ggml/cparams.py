@@ -1,0 +1,201 @@
+"""Context parameters: llama.cpp's ``llama_cparams`` and how ``llama_context`` derives them.
+
+:class:`ContextParams` holds what a user sets (``llama_context_params``, with its "unset" sentinels: 0 for the
+sizes and RoPE base/scale, negative for the YaRN factors).  :meth:`CParams.from_hparams` resolves them against the
+model's hyper-parameters the way the ``llama_context`` constructor does.  Hyper-parameters that this project's
+:class:`~kvcache_ggml.hparams.HParams` does not carry (YaRN settings, the training RoPE scaling type) take the
+values llama.cpp's model loader gives a GGUF file without those keys.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CParams", "ContextParams", "RopeScalingType", "GGML_DEFAULT_N_THREADS"]
+
+#: ggml.h's default thread count, llama_context_default_params' n_threads and n_threads_batch
+GGML_DEFAULT_N_THREADS = 4
+
+_LLAMA_MAX_SEQ = 256
+_N_CTX_PAD = 256  # llama_context pads n_ctx (and n_ctx_seq) to a multiple of this
+
+
+class RopeScalingType(IntEnum):
+    """enum llama_rope_scaling_type (llama.h)."""
+    UNSPECIFIED = -1
+    NONE = 0
+    LINEAR = 1
+    YARN = 2
+    LONGROPE = 3
+
+
+@dataclass(slots=True)
+class ContextParams:
+    """The part of ``llama_context_params`` that feeds ``llama_cparams``, with llama_context_default_params()."""
+
+    n_ctx: int = 512                      # text context; 0 = the model's n_ctx_train
+    n_batch: int = 2048                   # logical batch size (capped at n_ctx with causal attention)
+    n_ubatch: int = 512                   # physical batch size; 0 = n_batch
+    n_seq_max: int = 1                    # sequences served (1..256)
+    n_threads: int = GGML_DEFAULT_N_THREADS        # threads for generation (one-token graphs, the K-shift)
+    n_threads_batch: int = GGML_DEFAULT_N_THREADS  # threads for batches of several tokens
+    rope_scaling_type: RopeScalingType = RopeScalingType.UNSPECIFIED  # UNSPECIFIED = the model's
+    rope_freq_base: float = 0.0           # RoPE base frequency; 0 = the model's
+    rope_freq_scale: float = 0.0          # RoPE frequency scale; 0 = the model's
+    yarn_ext_factor: float = -1.0         # YaRN extrapolation mix; negative = the model's
+    yarn_attn_factor: float = -1.0        # YaRN magnitude scale; negative = the model's
+    yarn_beta_fast: float = -1.0          # YaRN low correction dim; negative = the model's
+    yarn_beta_slow: float = -1.0          # YaRN high correction dim; negative = the model's
+    yarn_orig_ctx: int = 0                # YaRN original context; 0 = the model's
+    causal_attn: bool | None = None       # causal attention; None = the model's (llama.cpp: attention_type)
+    flash_attn: bool = True               # flash attention (llama.cpp's default AUTO enables it where supported)
+    embeddings: bool = False              # extract embeddings
+    offload_kqv: bool = True              # KQV ops and the KV cache on the device
+    no_perf: bool = True                  # no performance timings
+    op_offload: bool = True               # offload host-tensor ops to the device
+    kv_unified: bool = False              # one KV stream shared by all sequences
+
+
+@dataclass(slots=True)
+class CParams:
+    """llama.cpp's ``llama_cparams`` (llama-cparams.h): the resolved per-context settings.
+
+    The defaults are what :meth:`from_hparams` gives for ``ContextParams()`` and a model with llama.cpp's default
+    hyper-parameters (n_ctx_train 4096, RoPE base 10000, no scaling).
+    """
+
+    n_ctx: int = 512                      # context size used during inference (multiple of 256)
+    n_ctx_seq: int = 512                  # context of one sequence (n_ctx, or n_ctx / n_seq_max padded to 256)
+    n_batch: int = 512                    # logical batch size
+    n_ubatch: int = 512                   # physical batch size
+    n_seq_max: int = 1                    # sequences served
+    n_threads: int = GGML_DEFAULT_N_THREADS        # threads for generation, and for the K-shift graph
+    n_threads_batch: int = GGML_DEFAULT_N_THREADS  # threads for batch processing
+    rope_freq_base: float = 10000.0       # RoPE base frequency (non-SWA layers)
+    rope_freq_scale: float = 1.0          # RoPE frequency scale (non-SWA layers)
+    n_ctx_orig_yarn: int = 4096           # original context of YaRN (the training context unless set)
+    yarn_ext_factor: float = 0.0          # YaRN extrapolation mix (0: no YaRN ramp)
+    yarn_attn_factor: float = 1.0         # YaRN magnitude scale (with llama.cpp's mscale compensation folded in)
+    yarn_beta_fast: float = 32.0          # YaRN low correction dim
+    yarn_beta_slow: float = 1.0           # YaRN high correction dim
+    embeddings: bool = False              # extract embeddings
+    causal_attn: bool = True              # causal attention
+    offload_kqv: bool = True              # KQV ops and the KV cache on the device
+    flash_attn: bool = True               # flash attention
+    no_perf: bool = True                  # no performance timings
+    warmup: bool = False                  # warm-up run in progress
+    op_offload: bool = True               # offload host-tensor ops to the device
+    kv_unified: bool = False              # one KV stream shared by all sequences
+
+    @classmethod
+    def from_hparams(cls, hparams: Any, params: ContextParams | None = None) -> "CParams":
+        """Resolve ``params`` against the model, as the llama_context constructor does."""
+        p = params if params is not None else ContextParams()
+        if p.n_seq_max > _LLAMA_MAX_SEQ:
+            raise ValueError(f"n_seq_max must be <= {_LLAMA_MAX_SEQ}, got {p.n_seq_max}")
+        h = _ModelRope.of(hparams)
+        c = cls()
+        c.n_seq_max = max(1, p.n_seq_max)
+        c.n_threads, c.n_threads_batch = p.n_threads, p.n_threads_batch
+        c.yarn_ext_factor = p.yarn_ext_factor if p.yarn_ext_factor >= 0 else h.yarn_ext_factor
+        c.yarn_attn_factor = p.yarn_attn_factor if p.yarn_attn_factor >= 0 else h.yarn_attn_factor
+        c.yarn_beta_fast = p.yarn_beta_fast if p.yarn_beta_fast >= 0 else h.yarn_beta_fast
+        c.yarn_beta_slow = p.yarn_beta_slow if p.yarn_beta_slow >= 0 else h.yarn_beta_slow
+        c.embeddings, c.offload_kqv, c.no_perf, c.warmup = p.embeddings, p.offload_kqv, p.no_perf, False
+        c.n_ctx = p.n_ctx if p.n_ctx != 0 else h.n_ctx_train
+        c.rope_freq_base = p.rope_freq_base if p.rope_freq_base != 0 else h.rope_freq_base_train
+        c.rope_freq_scale = p.rope_freq_scale if p.rope_freq_scale != 0 else h.rope_freq_scale_train
+        c.n_ctx_orig_yarn = (p.yarn_orig_ctx if p.yarn_orig_ctx != 0 else
+                             h.n_ctx_orig_yarn if h.n_ctx_orig_yarn != 0 else h.n_ctx_train)
+        _resolve_yarn(c, p, h)
+        c.causal_attn = h.causal_attn if p.causal_attn is None else bool(p.causal_attn)
+        c.flash_attn = p.flash_attn
+        c.n_batch = min(c.n_ctx, p.n_batch) if c.causal_attn else p.n_batch
+        c.n_ubatch = min(c.n_batch, p.n_ubatch if p.n_ubatch != 0 else p.n_batch)
+        c.op_offload, c.kv_unified = p.op_offload, p.kv_unified
+        _resolve_ctx_sizes(c)
+        return c
+
+
+@dataclass(slots=True)
+class _ModelRope:
+    """The model hyper-parameters from_hparams reads, with llama.cpp's loader defaults for missing ones."""
+
+    n_ctx_train: int                      # training context
+    n_ctx_orig_yarn: int                  # YaRN original context (loader: n_ctx_train unless in the GGUF)
+    rope_freq_base_train: float           # training RoPE base
+    rope_freq_scale_train: float          # training RoPE scale
+    rope_scaling_type_train: RopeScalingType  # training scaling type (loader default: "linear")
+    rope_attn_factor: float               # extra attention factor (1.0)
+    rope_yarn_log_mul: float              # DeepSeek-style mscale_all_dims (0.0: none)
+    yarn_ext_factor: float                # -1.0: not set
+    yarn_attn_factor: float               # 1.0
+    yarn_beta_fast: float                 # 32.0
+    yarn_beta_slow: float                 # 1.0
+    causal_attn: bool                     # True
+    arch: str                             # architecture name
+
+    @classmethod
+    def of(cls, hp: Any) -> "_ModelRope":
+        n_ctx_train = int(getattr(hp, "n_ctx_train", 0))
+        return cls(n_ctx_train=n_ctx_train,
+                   n_ctx_orig_yarn=int(getattr(hp, "n_ctx_orig_yarn", n_ctx_train)),
+                   rope_freq_base_train=float(getattr(hp, "rope_freq_base_train", 10000.0)),
+                   rope_freq_scale_train=float(getattr(hp, "rope_freq_scale_train", 1.0)),
+                   rope_scaling_type_train=RopeScalingType(getattr(hp, "rope_scaling_type_train",
+                                                                   RopeScalingType.LINEAR)),
+                   rope_attn_factor=float(getattr(hp, "rope_attn_factor", 1.0)),
+                   rope_yarn_log_mul=float(getattr(hp, "rope_yarn_log_mul", 0.0)),
+                   yarn_ext_factor=float(getattr(hp, "yarn_ext_factor", -1.0)),
+                   yarn_attn_factor=float(getattr(hp, "yarn_attn_factor", 1.0)),
+                   yarn_beta_fast=float(getattr(hp, "yarn_beta_fast", 32.0)),
+                   yarn_beta_slow=float(getattr(hp, "yarn_beta_slow", 1.0)),
+                   causal_attn=bool(getattr(hp, "causal_attn", True)),
+                   arch=str(getattr(hp, "arch", "")))
+
+
+def _f32(x: float) -> float:
+    """Round to float32, as llama.cpp's float arithmetic does at each step."""
+    return float(np.float32(x))
+
+
+def _mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1.0 else _f32(0.1 * mscale * _f32(math.log(scale)) + 1.0)
+
+
+def _resolve_yarn(c: CParams, p: ContextParams, h: _ModelRope) -> None:
+    """Scaling type, YaRN ext factor and the attention factor (mscale and its ggml compensation)."""
+    scaling = RopeScalingType(p.rope_scaling_type)
+    if scaling == RopeScalingType.UNSPECIFIED:
+        scaling = h.rope_scaling_type_train
+    if scaling == RopeScalingType.NONE:
+        c.rope_freq_scale = 1.0  # never scale without a scaling type
+    if c.yarn_ext_factor < 0:
+        c.yarn_ext_factor = 1.0 if scaling == RopeScalingType.YARN else 0.0
+    if c.yarn_ext_factor != 0:
+        factor = _f32(1.0 / c.rope_freq_scale)
+        if h.rope_yarn_log_mul != 0:
+            mscale_all = h.rope_yarn_log_mul
+            mscale = mscale_all if h.arch == "deepseek2" and mscale_all != 1.0 else 1.0
+            c.yarn_attn_factor = _f32(_mscale(factor, mscale) / _mscale(factor, mscale_all))
+        else:
+            c.yarn_attn_factor = _mscale(factor, 1.0)
+        # ggml's rope multiplies by 1 + 0.1 ln(1/freq_scale) when ext_factor != 0: cancel it here
+        c.yarn_attn_factor = _f32(c.yarn_attn_factor * _f32(1.0 / _f32(1.0 + 0.1 * _f32(math.log(factor)))))
+    c.yarn_attn_factor = _f32(c.yarn_attn_factor * h.rope_attn_factor)
+
+
+def _resolve_ctx_sizes(c: CParams) -> None:
+    """n_ctx padded to 256; n_ctx_seq per sequence (padded) unless unified, n_ctx rounded to a whole split."""
+    c.n_ctx = -(-c.n_ctx // _N_CTX_PAD) * _N_CTX_PAD
+    if c.kv_unified:
+        c.n_ctx_seq = c.n_ctx
+        return
+    c.n_ctx_seq = -(-(c.n_ctx // c.n_seq_max) // _N_CTX_PAD) * _N_CTX_PAD
+    if c.n_ctx_seq == 0:
+        raise ValueError(f"n_ctx_seq == 0 (n_ctx {c.n_ctx}, n_seq_max {c.n_seq_max})")
+    c.n_ctx = c.n_ctx_seq * c.n_seq_max
