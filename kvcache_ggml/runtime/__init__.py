@@ -1,0 +1,31 @@
+"""A llama.cpp-style runtime on the cache: model loading, decoding with a ggml graph per ubatch, a numpy reference.
+
+* :class:`~kvcache_ggml.runtime.model.Model` -- a llama GGUF in ggml backend buffers (``llama_model``);
+* :class:`~kvcache_ggml.runtime.context.Context` -- a KV cache and a scheduler; ``decode(batch)`` as ``llama_decode``;
+* :func:`~kvcache_ggml.runtime.modelmaker.make_model` -- a random-weight llama GGUF (``make-model``);
+* :class:`~kvcache_ggml.runtime.reference.Reference` -- a float64 numpy forward pass of the same file.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+
+_LAZY = {
+    "Model": ".model",
+    "Context": ".context",
+    "RuntimeParams": ".context",
+    "DecodeError": ".context",
+    "make_model": ".modelmaker",
+    "ModelSpec": ".modelmaker",
+    "Reference": ".reference",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcache_ggml.runtime' has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,453 @@
+"""A decoding context: llama.cpp's ``llama_context`` for a llama model over :class:`~kvcache_ggml.cache.KVCache`.
+
+``Context(model, params)`` resolves the parameters (:class:`RuntimeParams` -> ``CParams``), creates the KV cache
+(``v_trans = not flash_attn``, ``kv_size = n_ctx_seq``), a backend scheduler over the devices holding the model
+(CPU last) and one graph context reused across steps.  :meth:`Context.decode` follows ``llama_decode``: validate
+and auto-fill the batch, apply pending memory updates (stream copies, K-shift), split and place the ubatches, then
+per ubatch ``apply()`` and one ggml graph; the logits of the output tokens come back in batch order.
+
+Host time is accounted per phase in :class:`StepTimes` (batch validation and splits, cache bookkeeping, memory
+updates, input setting, graph build, compute).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from os import PathLike
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import _ggml as G
+from .._cache_graph import UpdateContext
+from .._consts import LLAMA_MAX_SEQ
+from ..batch import Batch, BatchAllocator
+from ..cache import KVCache, KVCacheParams, MemoryStatus
+from ..cparams import CParams, ContextParams, RopeScalingType
+from ..state import load_seq_file, save_seq_file
+from .graph import DecoderGraph, build_decoder, graph_capacity, graph_key, set_inputs
+
+__all__ = ["Context", "RuntimeParams", "DecodeError", "StepTimes"]
+
+_perf = time.perf_counter
+
+
+class DecodeError(RuntimeError):
+    """A failed :meth:`Context.decode`; ``code`` is what ``llama_decode`` returns in that case.
+
+    1: no memory slot for the batch; -1: invalid batch; -2: memory or allocation failure; -3: compute failure.
+    """
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"decode failed ({code}): {message}")
+        self.code = code
+
+
+@dataclass(slots=True)
+class RuntimeParams:
+    """What a user sets for a context (``llama_context_params`` plus the cache types), llama.cpp's defaults."""
+
+    n_ctx: int = 512                  # context size in tokens, all sequences together; 0 = the model's n_ctx_train
+    n_batch: int = 2048               # most tokens one decode() accepts (capped at n_ctx)
+    n_ubatch: int = 512               # most tokens one graph computes
+    n_seq_max: int = 1                # sequences the context serves (1..256)
+    kv_unified: bool = False          # one cache stream shared by all sequences; else one stream per sequence
+    flash_attn: bool = True           # ggml_flash_attn_ext over a non-transposed V; else mul_mat + soft_max
+    type_k: str = "f16"               # ggml type of the K cache
+    type_v: str = "f16"               # ggml type of the V cache
+    n_threads: int = 4                # CPU threads for one-token graphs (and the K-shift)
+    n_threads_batch: int = 4          # CPU threads for graphs of several tokens
+    rope_scaling_type: int = -1       # llama_rope_scaling_type; -1 = the model's
+    rope_freq_base: float = 0.0       # RoPE base; 0 = the model's
+    rope_freq_scale: float = 0.0      # RoPE scale; 0 = the model's
+    yarn_ext_factor: float = -1.0     # YaRN extrapolation mix; negative = the model's
+    yarn_attn_factor: float = -1.0    # YaRN magnitude scale; negative = the model's
+    yarn_beta_fast: float = -1.0      # YaRN low correction dim; negative = the model's
+    yarn_beta_slow: float = -1.0      # YaRN high correction dim; negative = the model's
+    yarn_orig_ctx: int = 0            # YaRN original context; 0 = the model's
+    offload_kqv: bool = True          # K/V of layer il on the model's dev_layer(il) (the CPU by default)
+    fa_cast_f32_kv: bool = False      # cast an F32 K/V cache to F16 before flash attention, as llama.cpp does
+    graph_reuse: bool = True          # compute the previous graph again when its topology fits the ubatch
+
+    def context_params(self) -> ContextParams:
+        return ContextParams(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
+                             n_seq_max=self.n_seq_max, n_threads=self.n_threads,
+                             n_threads_batch=self.n_threads_batch,
+                             rope_scaling_type=RopeScalingType(self.rope_scaling_type),
+                             rope_freq_base=self.rope_freq_base, rope_freq_scale=self.rope_freq_scale,
+                             yarn_ext_factor=self.yarn_ext_factor, yarn_attn_factor=self.yarn_attn_factor,
+                             yarn_beta_fast=self.yarn_beta_fast, yarn_beta_slow=self.yarn_beta_slow,
+                             yarn_orig_ctx=self.yarn_orig_ctx, flash_attn=self.flash_attn,
+                             offload_kqv=self.offload_kqv, kv_unified=self.kv_unified)
+
+    def check(self) -> None:
+        for name in ("n_batch", "n_ubatch", "n_seq_max", "n_threads", "n_threads_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_ctx < 0:
+            raise ValueError(f"n_ctx must be >= 0 (0: the model's training context), got {self.n_ctx}")
+        if self.n_seq_max > LLAMA_MAX_SEQ:
+            raise ValueError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}, got {self.n_seq_max}")
+        G.parse_type(self.type_k)
+        G.parse_type(self.type_v)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Host seconds spent per phase since the last :meth:`reset` (and counts)."""
+
+    batch: float = 0.0          # BatchAllocator: validation, auto-fill and the ubatch splits
+    bookkeeping: float = 0.0    # the cache's cells: slot search (prepare), apply(), n_kv
+    update: float = 0.0         # memory updates: stream copies and K-shift graphs
+    inputs: float = 0.0         # filling the graph inputs (tokens, positions, K/V indices, kq mask)
+    build: float = 0.0          # building the graph and allocating it in the scheduler
+    compute: float = 0.0        # computing the graph and reading the logits back
+    n_decode: int = 0           # decode() calls
+    n_ubatch: int = 0           # graphs computed
+    n_tokens: int = 0           # tokens decoded
+    n_graph_reused: int = 0     # graphs computed again without rebuilding
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def host_total(self) -> float:
+        return self.batch + self.bookkeeping + self.update + self.inputs + self.build + self.compute
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+class _TimedSplits:
+    """A BatchAllocator whose splits add their time to ``seconds`` (so init_batch's time can be divided)."""
+
+    __slots__ = ("_balloc", "seconds")
+
+    def __init__(self, balloc: BatchAllocator) -> None:
+        self._balloc = balloc
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._balloc, name)
+
+    def split_simple(self, n_ubatch: int) -> Any:
+        t0 = _perf()
+        try:
+            return self._balloc.split_simple(n_ubatch)
+        finally:
+            self.seconds += _perf() - t0
+
+    def split_equal(self, n_ubatch: int, sequential: bool) -> Any:
+        t0 = _perf()
+        try:
+            return self._balloc.split_equal(n_ubatch, sequential)
+        finally:
+            self.seconds += _perf() - t0
+
+
+class Context:
+    """A KV cache, a scheduler and the last graph over a :class:`~kvcache_ggml.runtime.model.Model`."""
+
+    def __init__(self, model: Any, params: RuntimeParams | None = None, **kwargs: Any) -> None:
+        if params is None:
+            params = RuntimeParams(**kwargs)
+        elif kwargs:
+            raise TypeError(f"pass either params or keyword arguments, not both: {sorted(kwargs)}")
+        params.check()
+        if getattr(model, "closed", False):
+            raise ValueError("the model is closed")
+        self.model = model
+        self.params = params
+        hp = model.hparams
+        self.cparams: CParams = CParams.from_hparams(hp, params.context_params())
+        self.n_vocab = int(model.n_vocab)
+        self.times = StepTimes()
+        self.kv: KVCache | None = None
+        self._sched: G.Sched | None = None
+        self._backends: list[G.Backend] = []
+        self._gctx: G.Context | None = None
+        self._prev: DecoderGraph | None = None
+        try:
+            self.kv = KVCache(model, KVCacheParams(
+                type_k=params.type_k, type_v=params.type_v, v_trans=not params.flash_attn,
+                offload=params.offload_kqv, unified=params.kv_unified, kv_size=self.cparams.n_ctx_seq,
+                n_seq_max=self.cparams.n_seq_max, n_pad=1, n_swa=hp.n_swa, swa_type=hp.swa_type))
+            cap = max(graph_capacity(hp.n_layer), self.kv.shift_graph_size())
+            self._graph_size = cap
+            devs = list(model.devices()) if hasattr(model, "devices") else []
+            for dev in devs:
+                if G.ggml_backend_dev_type(dev) != G.DeviceType.CPU:
+                    self._backends.append(G.Backend(G.ggml_backend_dev_init(dev, None)))
+            self._cpu = G.Backend.cpu(params.n_threads)
+            self._backends.append(self._cpu)
+            offload_ops = len(self._backends) > 1 and self.cparams.op_offload
+            self._sched = G.Sched(self._backends, graph_size=cap, parallel=False, op_offload=offload_ops)
+            self._gctx = G.Context.for_tensors(cap, cap)
+            self._lctx = UpdateContext(self._sched, self.cparams, cap, owned=())
+        except BaseException:
+            self.close()
+            raise
+        self.balloc = BatchAllocator(hp.n_pos_per_embd())
+        self.logits = np.zeros((0, self.n_vocab), np.float32)   # [n_outputs, n_vocab] of the last decode
+        self.output_ids = np.zeros(0, np.int32)                  # batch index -> logits row (-1: no output)
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, batch: Batch) -> np.ndarray:
+        """Decode ``batch`` (llama_decode); float32 [n_outputs, n_vocab] logits of its output tokens, batch order.
+
+        Raises :class:`DecodeError` where llama_decode returns non-zero (``code`` is that value).
+        """
+        kv, tm = self._kv(), self.times
+        cp = self.cparams
+        t0 = _perf()
+        n_seq_max = LLAMA_MAX_SEQ if self.params.kv_unified else cp.n_seq_max
+        try:
+            self.balloc.init(batch, self.n_vocab, kv, self.model.hparams.n_embd, n_seq_max, False)
+        except ValueError as e:
+            raise DecodeError(-1, f"invalid batch: {e}") from None
+        n_tokens_all = self.balloc.get_n_tokens()
+        n_outputs_all = self.balloc.get_n_outputs()
+        if n_tokens_all > cp.n_batch:
+            raise DecodeError(-1, f"batch of {n_tokens_all} tokens exceeds n_batch = {cp.n_batch}")
+        tm.batch += _perf() - t0
+        tm.n_decode += 1
+
+        self._memory_update(False)
+
+        did_optimize = False
+        while True:
+            t0 = _perf()
+            timed = _TimedSplits(self.balloc)
+            try:
+                mctx = kv.init_batch(timed, cp.n_ubatch, False)
+            except ValueError as e:
+                raise DecodeError(1, str(e)) from None
+            finally:
+                dt = _perf() - t0
+                tm.batch += timed.seconds
+                tm.bookkeeping += dt - timed.seconds
+            status = mctx.get_status()
+            if status == MemoryStatus.SUCCESS:
+                break
+            if status == MemoryStatus.FAILED_PREPARE and not did_optimize:
+                did_optimize = True
+                if self._memory_update(True):
+                    continue
+            raise DecodeError(1, f"no memory slot for a batch of {n_tokens_all} tokens "
+                                 f"({status.name}; cache of {kv.get_size()} cells per stream)")
+
+        rows: list[np.ndarray] = []
+        while True:
+            ubatch = mctx.get_ubatch()
+            t0 = _perf()
+            mctx.apply()
+            tm.bookkeeping += _perf() - t0
+            if n_outputs_all == n_tokens_all:
+                n_outputs = ubatch.n_tokens
+            else:
+                n_outputs = int(np.count_nonzero(ubatch.output[:ubatch.n_tokens]))
+            out = self._process_ubatch(mctx, ubatch, n_outputs)
+            if out is not None:
+                rows.append(out)
+            if not mctx.next():
+                break
+
+        logits = np.concatenate(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
+        out_ids = self.balloc.get_out_ids()                  # batch index of each row, in split order
+        order = np.argsort(out_ids, kind="stable")
+        self.logits = logits[order]
+        self.output_ids = np.full(n_tokens_all, -1, np.int32)
+        self.output_ids[out_ids[order]] = np.arange(len(order), dtype=np.int32)
+        tm.n_tokens += n_tokens_all
+        return self.logits
+
+    def _process_ubatch(self, mctx: Any, ubatch: Any, n_outputs: int) -> np.ndarray | None:
+        """Build (or reuse), fill and compute the graph of one applied ubatch; its logits rows."""
+        tm = self.times
+        t0 = _perf()
+        key = graph_key(mctx, ubatch, n_outputs, self.params.kv_unified)
+        g = self._prev
+        if g is not None and self.params.graph_reuse and g.key == key:
+            tm.n_graph_reused += 1
+        else:
+            self._prev = None
+            self._sched.reset()
+            G.ggml_reset(self._gctx.ptr)
+            g = build_decoder(self._gctx, self.model, self.cparams, mctx, ubatch, key,
+                              flash_attn=self.params.flash_attn, fa_cast_f32_kv=self.params.fa_cast_f32_kv)
+            self._sched.alloc_graph(g.graph)
+            g.map_inputs()
+            self._prev = g
+        t1 = _perf()
+        tm.build += t1 - t0
+        set_inputs(g, mctx, ubatch, self.cparams.causal_attn)
+        t2 = _perf()
+        tm.inputs += t2 - t1
+        self._cpu.set_n_threads(self.cparams.n_threads if ubatch.n_tokens == 1 else self.cparams.n_threads_batch)
+        status = G.ggml_backend_sched_graph_compute(self._sched.ptr, g.graph.ptr)
+        if status != G.Status.SUCCESS:
+            self._prev = None
+            self._forget_ubatch(ubatch)
+            code = -2 if status == G.Status.ALLOC_FAILED else 2 if status == G.Status.ABORTED else -3
+            raise DecodeError(code, f"graph compute returned {G.Status(status).name}")
+        out = None
+        if n_outputs:
+            out = G.to_numpy(g.logits, copy=True).reshape(n_outputs, self.n_vocab)
+        tm.compute += _perf() - t2
+        tm.n_ubatch += 1
+        return out
+
+    def _forget_ubatch(self, ubatch: Any) -> None:
+        """After a failed compute, remove the ubatch's positions from the cache (as llama_decode)."""
+        pos_min: dict[int, int] = {}
+        for i in range(ubatch.n_tokens):
+            s = int(ubatch.seq_id[i, 0])
+            pos_min[s] = min(pos_min.get(s, 2**31 - 1), int(ubatch.pos[i]))
+        for s, p in sorted(pos_min.items()):
+            self._kv().seq_rm(s, p, -1)
+
+    def _memory_update(self, optimize: bool) -> bool:
+        """Apply queued stream copies and a pending K-shift (llama_context::memory_update)."""
+        t0 = _perf()
+        try:
+            mctx = self._kv().init_update(self._lctx, optimize)
+            if mctx.get_status() != MemoryStatus.SUCCESS:
+                return False
+            self._prev = None          # the update runs on the scheduler: the last graph is gone
+            mctx.apply()
+            return True
+        finally:
+            self.times.update += _perf() - t0
+
+    # ------------------------------------------------------------------ outputs
+
+    def get_logits_ith(self, i: int) -> np.ndarray:
+        """float32 [n_vocab]: logits of batch token i of the last decode (negative i counts from the end)."""
+        if i < 0:
+            j = len(self.logits) + i
+            if not 0 <= j < len(self.logits):
+                raise ValueError(f"output index {i} out of range for {len(self.logits)} outputs")
+            return self.logits[j]
+        if not 0 <= i < len(self.output_ids) or self.output_ids[i] < 0:
+            raise ValueError(f"batch token {i} has no logits (outputs of the last decode: "
+                             f"{np.flatnonzero(self.output_ids >= 0).tolist()})")
+        return self.logits[self.output_ids[i]]
+
+    # ------------------------------------------------------------------ memory API (llama_memory_*)
+
+    def memory_clear(self, data: bool = True) -> None:
+        self._kv().clear(data)
+
+    def memory_seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return self._kv().seq_rm(seq_id, p0, p1)
+
+    def memory_seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._kv().seq_cp(seq_id_src, seq_id_dst, p0, p1)
+
+    def memory_seq_keep(self, seq_id: int) -> None:
+        self._kv().seq_keep(seq_id)
+
+    def memory_seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        self._kv().seq_add(seq_id, p0, p1, delta)
+
+    def memory_seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        self._kv().seq_div(seq_id, p0, p1, d)
+
+    def memory_seq_pos_min(self, seq_id: int) -> int:
+        return self._kv().seq_pos_min(seq_id)
+
+    def memory_seq_pos_max(self, seq_id: int) -> int:
+        return self._kv().seq_pos_max(seq_id)
+
+    def memory_can_shift(self) -> bool:
+        return self._kv().get_can_shift()
+
+    def context_shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
+        """llama.cpp's context-shift recipe: drop positions [n_keep, n_keep + n_discard) of ``seq_id`` and move
+        the later ones back by n_discard (the K-shift runs at the next decode)."""
+        if n_keep < 0 or n_discard < 1:
+            raise ValueError(f"context_shift needs n_keep >= 0 and n_discard >= 1, got {n_keep}, {n_discard}")
+        n_past = self.memory_seq_pos_max(seq_id) + 1
+        if n_keep + n_discard > n_past:
+            raise ValueError(f"n_keep + n_discard = {n_keep + n_discard} exceeds the {n_past} positions of "
+                             f"sequence {seq_id}")
+        self.memory_seq_rm(seq_id, n_keep, n_keep + n_discard)
+        self.memory_seq_add(seq_id, n_keep + n_discard, n_past, -n_discard)
+
+    # ------------------------------------------------------------------ state (llama_state_seq_*)
+
+    def state_seq_get_data(self, seq_id: int) -> bytes:
+        """The state blob of one sequence (llama_state_seq_get_data: the cache's state_write, nothing else)."""
+        return self._kv().state_save(seq_id)
+
+    def state_seq_set_data(self, data: Any, dest_seq_id: int) -> int:
+        """Restore one sequence from a blob of :meth:`state_seq_get_data`; returns its size (ValueError if bad)."""
+        return self._kv().state_load(data, dest_seq_id)
+
+    def state_get_data(self) -> bytes:
+        """The whole cache's state blob (the memory part of llama_state_get_data)."""
+        return self._kv().state_save(-1)
+
+    def state_set_data(self, data: Any) -> int:
+        return self._kv().state_load(data, -1)
+
+    def state_seq_save_file(self, path: str | PathLike, seq_id: int, tokens: Sequence[int] = ()) -> int:
+        """llama_state_seq_save_file: magic, version, tokens, then the sequence's state; returns the file size."""
+        return save_seq_file(path, self._kv(), seq_id, np.asarray(tokens, np.int32))
+
+    def state_seq_load_file(self, path: str | PathLike, dest_seq_id: int,
+                            n_token_capacity: int | None = None) -> np.ndarray:
+        """llama_state_seq_load_file: restore ``dest_seq_id``; returns the file's tokens (int32)."""
+        return load_seq_file(path, self._kv(), dest_seq_id, n_token_capacity)
+
+    # ------------------------------------------------------------------ info and ownership
+
+    def n_ctx(self) -> int:
+        return self.cparams.n_ctx
+
+    def n_ctx_seq(self) -> int:
+        return self.cparams.n_ctx_seq
+
+    def _kv(self) -> KVCache:
+        if self.kv is None:
+            raise ValueError("the context is closed")
+        return self.kv
+
+    def close(self) -> None:
+        """Free the graph context, the scheduler, the backends and the cache (idempotent)."""
+        self._prev = None
+        if self._gctx is not None:
+            self._gctx.close()
+            self._gctx = None
+        if self._sched is not None:
+            self._sched.close()
+            self._sched = None
+        for b in self._backends:
+            b.close()
+        self._backends = []
+        if self.kv is not None:
+            self.kv.close()
+            self.kv = None
+
+    @property
+    def closed(self) -> bool:
+        return self.kv is None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def default_threads() -> int:
+    """min(4, cores): llama.cpp's default of 4 threads, bounded by the machine."""
+    return max(1, min(4, os.cpu_count() or 1))

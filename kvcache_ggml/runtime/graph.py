@@ -1,0 +1,222 @@
+"""The decoder graph of one ubatch: llama.cpp's ``llm_build_llama`` with the KV cache inputs of ``build_attn``.
+
+:func:`build_decoder` builds, in a caller's no_alloc context, embeddings -> per layer (RMS norm, Q/K/V, RoPE, store
+K/V into the cache, attention over the cache with the kq mask, output projection, SwiGLU FFN) -> output norm and
+head for the output tokens only.  :func:`set_inputs` fills the graph's inputs for a ubatch.  Shapes are in ggml
+``ne`` order.  The topology depends only on :class:`GraphKey`, so a graph can be computed again for the next
+ubatch with the same key after :func:`set_inputs` (llama.cpp's graph reuse).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _ggml as G
+
+__all__ = ["GraphKey", "DecoderGraph", "graph_key", "build_decoder", "set_inputs", "graph_capacity"]
+
+_F32, _F16, _I32 = G.GGMLType.F32, G.GGMLType.F16, G.GGMLType.I32
+_GGML_PREC_F32 = 10      # enum ggml_prec: GGML_PREC_F32
+_NODES_PER_LAYER = 64    # an upper bound of the tensors one layer creates (about 45 with flash attention off)
+_NODES_FIXED = 64        # inputs, embeddings, output head
+
+
+class GraphKey(NamedTuple):
+    """Everything the graph's topology depends on; equal keys -> the same graph serves both ubatches."""
+
+    n_tokens: int      # tokens of the ubatch
+    n_outputs: int     # output tokens of the ubatch
+    n_kv: int          # cache cells the attention reads
+    n_stream: int      # streams of the kq mask (1 with a unified cache, else the ubatch's sequences)
+    s0: int            # first cache stream of the slot
+    s1: int            # last cache stream of the slot
+    embd_input: bool   # the ubatch carries embeddings rather than token ids
+
+
+@dataclass(slots=True)
+class DecoderGraph:
+    """A built graph and its input / output tensors."""
+
+    key: GraphKey         # what the topology was built for
+    graph: G.Graph        # in the caller's context
+    tokens: Any           # I32 [n_tokens] token ids (None with embeddings input)
+    embd: Any             # F32 [n_embd, n_tokens] input embeddings (None with token input)
+    pos: Any              # I32 [n_tokens] positions
+    out_ids: Any          # I32 [n_outputs] ubatch rows of the output tokens
+    k_idxs: Any           # I64 [n_tokens] cache row of each token's K
+    v_idxs: Any           # I64 [n_tokens] (or [n_tokens*n_embd_v_gqa] with a transposed V) destinations of V
+    kq_mask: Any          # F32 [n_kv, n_tokens/n_stream, 1, n_stream]
+    logits: Any           # F32 [n_vocab, n_outputs]
+    host: dict[str, np.ndarray] | None = None  # numpy views of the token/embd/pos/out_ids inputs once allocated
+
+    def map_inputs(self) -> None:
+        """After the scheduler allocated the graph: numpy views of the small inputs in host memory (None for an
+        input that is not in a host buffer or is empty; set_inputs then copies with ggml_backend_tensor_set)."""
+        self.host = {}
+        for name in ("tokens", "embd", "pos", "out_ids"):
+            t = getattr(self, name)
+            if t is not None and G.nelements(t) and G.data_ptr(t) and G.is_host(t):
+                self.host[name] = G.to_numpy(t).reshape(-1)
+
+
+def graph_capacity(n_layer: int) -> int:
+    """Tensors (and graph nodes) one decoder graph may need."""
+    return _NODES_PER_LAYER * n_layer + _NODES_FIXED
+
+
+def graph_key(mctx: Any, ubatch: Any, n_outputs: int, kv_unified: bool) -> GraphKey:
+    sinfo = mctx.get_sinfo()
+    return GraphKey(ubatch.n_tokens, n_outputs, mctx.get_n_kv(), 1 if kv_unified else ubatch.n_seqs_unq,
+                    sinfo.s0, sinfo.s1, ubatch.token is None)
+
+
+def _rms_norm(c: int, x: Any, weight: Any, eps: float) -> Any:
+    """x [n, m] normalized over ne0 and scaled by weight [n]."""
+    return G.ggml_mul(c, G.ggml_rms_norm(c, x, eps), weight)
+
+
+def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any, key: GraphKey, *,
+                  flash_attn: bool, fa_cast_f32_kv: bool = False) -> DecoderGraph:
+    """Build the graph of ``ubatch`` (after ``mctx.apply()``) in ``ctx``; ``key`` from :func:`graph_key`."""
+    hp = model.hparams
+    c = ctx.ptr
+    n_tokens, n_outputs, n_embd = key.n_tokens, key.n_outputs, hp.n_embd
+    d = hp.n_embd_head_k
+    kq_scale = 1.0 / math.sqrt(float(d))
+
+    def new_input(type_: Any, ne: tuple[int, ...], name: str) -> Any:
+        t = G.new_tensor(c, type_, ne, name)
+        G.ggml_set_input(t)
+        return t
+
+    tokens = embd = None
+    if key.embd_input:
+        embd = new_input(_F32, (n_embd, n_tokens), "inp_embd")                 # [n_embd, n_tokens]
+        inp_l = embd
+    else:
+        tokens = new_input(_I32, (n_tokens,), "inp_tokens")                    # [n_tokens]
+        inp_l = G.ggml_get_rows(c, model.tok_embd, tokens)                       # [n_embd, n_tokens] F32
+    pos = new_input(_I32, (n_tokens,), "inp_pos")                              # [n_tokens]
+    out_ids = new_input(_I32, (n_outputs,), "inp_out_ids")                     # [n_outputs]
+    k_idxs = mctx.build_input_k_idxs(ctx, ubatch)                              # I64 [n_tokens]
+    v_idxs = mctx.build_input_v_idxs(ctx, ubatch)                              # I64 [n_tokens(*n_embd_v_gqa)]
+    G.set_name(k_idxs, "inp_k_idxs")
+    G.set_name(v_idxs, "inp_v_idxs")
+    kq_mask = new_input(_F32, (key.n_kv, n_tokens // key.n_stream, 1, key.n_stream), "inp_kq_mask")
+    mask = G.ggml_cast(c, kq_mask, _F16) if flash_attn else kq_mask          # flash attention takes an F16 mask
+
+    graph = G.Graph(ctx, graph_capacity(hp.n_layer))
+    for il in range(hp.n_layer):
+        lw = model.layers[il]
+        n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
+        inp_sa = inp_l
+        cur = _rms_norm(c, inp_l, lw.attn_norm, hp.f_norm_rms_eps)             # [n_embd, n_tokens]
+
+        q = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wq, cur), d, n_head, n_tokens)     # [d, n_head, n_tokens]
+        k = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wk, cur), d, n_head_kv, n_tokens)  # [d, n_head_kv, n_tok]
+        v = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wv, cur), d, n_head_kv, n_tokens)  # [d, n_head_kv, n_tok]
+        rope = (model.get_rope_factors(cparams, il), hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn,
+                model.get_rope_freq_base(cparams, il), model.get_rope_freq_scale(cparams, il),
+                cparams.yarn_ext_factor, cparams.yarn_attn_factor, cparams.yarn_beta_fast, cparams.yarn_beta_slow)
+        q = G.ggml_rope_ext(c, q, pos, *rope)                                   # [d, n_head, n_tokens]
+        k = G.ggml_rope_ext(c, k, pos, *rope)                                   # [d, n_head_kv, n_tokens]
+
+        # as build_attn: q, v, k first (keeps the graph's order), then the stores into the cache
+        graph.expand(q)
+        graph.expand(v)
+        graph.expand(k)
+        graph.expand(mctx.cpy_k(ctx, k, k_idxs, il))
+        graph.expand(mctx.cpy_v(ctx, v, v_idxs, il))
+        k_all = mctx.get_k(ctx, il)        # [d, n_head_kv, n_kv, ns]
+        v_all = mctx.get_v(ctx, il)        # [d, n_head_kv, n_kv, ns] or transposed [n_kv, n_head_kv, d, ns]
+        cur = _attention(c, q, k_all, v_all, mask, kq_scale, flash_attn, fa_cast_f32_kv)  # [d*n_head, n_tokens]
+        graph.expand(cur)
+        cur = G.ggml_mul_mat(c, lw.wo, cur)                                     # [n_embd, n_tokens]
+
+        if il == hp.n_layer - 1:
+            cur = G.ggml_get_rows(c, cur, out_ids)                              # [n_embd, n_outputs]
+            inp_sa = G.ggml_get_rows(c, inp_sa, out_ids)                        # [n_embd, n_outputs]
+        ffn_inp = G.ggml_add(c, cur, inp_sa)
+        cur = _rms_norm(c, ffn_inp, lw.ffn_norm, hp.f_norm_rms_eps)
+        gate = G.ggml_mul_mat(c, lw.ffn_gate, cur)                              # [n_ff, n]
+        up = G.ggml_mul_mat(c, lw.ffn_up, cur)                                  # [n_ff, n]
+        cur = G.ggml_mul_mat(c, lw.ffn_down, G.ggml_swiglu_split(c, gate, up))  # [n_embd, n]
+        inp_l = G.ggml_add(c, cur, ffn_inp)
+
+    cur = _rms_norm(c, inp_l, model.output_norm, hp.f_norm_rms_eps)            # [n_embd, n_outputs]
+    logits = G.ggml_mul_mat(c, model.output, cur)                               # [n_vocab, n_outputs]
+    G.set_name(logits, "result_output")
+    G.ggml_set_output(logits)
+    graph.expand(logits)
+    return DecoderGraph(key, graph, tokens, embd, pos, out_ids, k_idxs, v_idxs, kq_mask, logits)
+
+
+def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash_attn: bool,
+               fa_cast_f32_kv: bool) -> Any:
+    """Multi-head attention of q [d, n_head, n_tokens] over the cache views k and v (build_attn_mha).
+
+    Returns [d*n_head, n_tokens] with the tokens of stream s at rows s*n_tps .. (s+1)*n_tps - 1.
+    """
+    v_trans = G.nb(v)[1] > G.nb(v)[2]
+    ns = G.ne(k)[3]
+    qne, qnb = G.ne(q), G.nb(q)
+    # split the tokens into the streams: [d, n_head, n_tps, ns]
+    q = G.ggml_view_4d(c, q, qne[0], qne[1], qne[2] // ns, ns, qnb[1], qnb[2], qnb[3] // ns, 0)
+    q = G.ggml_permute(c, q, 0, 2, 1, 3)                                        # [d, n_tps, n_head, ns]
+    k = G.ggml_permute(c, k, 0, 2, 1, 3)                                        # [d, n_kv, n_head_kv, ns]
+    v = G.ggml_permute(c, v, 0, 2, 1, 3)   # [d, n_kv, n_head_kv, ns] or transposed [n_kv, d, n_head_kv, ns]
+
+    if flash_attn:
+        if v_trans:
+            v = G.ggml_transpose(c, v)                                          # [d, n_kv, n_head_kv, ns]
+        if fa_cast_f32_kv:  # llama.cpp casts an F32 K/V to F16 before flash attention
+            if G.ttype(k) == _F32:
+                k = G.ggml_cast(c, k, _F16)
+            if G.ttype(v) == _F32:
+                v = G.ggml_cast(c, v, _F16)
+        cur = G.ggml_flash_attn_ext(c, q, k, v, mask, kq_scale, 0.0, 0.0)       # [d, n_head, n_tps, ns]
+        G.ggml_flash_attn_ext_set_prec(cur, _GGML_PREC_F32)
+        ne = G.ne(cur)
+        return G.ggml_reshape_2d(c, cur, ne[0] * ne[1], ne[2] * ne[3])         # [d*n_head, n_tokens]
+
+    kq = G.ggml_mul_mat(c, k, q)                                                # [n_kv, n_tps, n_head, ns]
+    G.ggml_mul_mat_set_prec(kq, _GGML_PREC_F32)
+    kq = G.ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0)                        # [n_kv, n_tps, n_head, ns]
+    if not v_trans:
+        v = G.ggml_cont(c, G.ggml_transpose(c, v))                              # [n_kv, d, n_head_kv, ns]
+    kqv = G.ggml_mul_mat(c, v, kq)                                              # [d, n_tps, n_head, ns]
+    cur = G.ggml_permute(c, kqv, 0, 2, 1, 3)                                    # [d, n_head, n_tps, ns]
+    ne = G.ne(cur)
+    return G.ggml_cont_2d(c, cur, ne[0] * ne[1], ne[2] * ne[3])                 # [d*n_head, n_tokens]
+
+
+def set_inputs(g: DecoderGraph, mctx: Any, ubatch: Any, causal_attn: bool = True) -> None:
+    """Fill the graph's inputs for ``ubatch`` (the current ubatch of ``mctx``, applied)."""
+    n_tokens = ubatch.n_tokens
+    host = g.host or {}
+    if g.tokens is not None:
+        _put(g.tokens, host.get("tokens"), ubatch.token[:n_tokens])
+    else:
+        _put(g.embd, host.get("embd"), ubatch.embd[:n_tokens].reshape(-1))
+    _put(g.pos, host.get("pos"), ubatch.pos[:n_tokens])
+    n_outputs = g.key.n_outputs
+    if n_outputs:
+        if n_outputs == n_tokens:
+            out = np.arange(n_tokens, dtype=np.int32)
+        else:
+            out = np.flatnonzero(ubatch.output[:n_tokens]).astype(np.int32)
+        _put(g.out_ids, host.get("out_ids"), out)
+    mctx.set_input_k_idxs(g.k_idxs, ubatch)
+    mctx.set_input_v_idxs(g.v_idxs, ubatch)
+    mctx.set_input_kq_mask(g.kq_mask, ubatch, causal_attn)
+
+
+def _put(t: Any, view: np.ndarray | None, data: np.ndarray) -> None:
+    """Write data into input t: through its host view when there is one, else with G.set_tensor."""
+    if view is not None:
+        view[...] = data
+    else:
+        G.set_tensor(t, data)

@@ -1,0 +1,186 @@
+"""Run a script of decode / memory / state operations on llama.cpp itself (llama-cpp-python), for comparisons.
+
+Two halves:
+
+* :func:`run_llama` (our interpreter): runs this file under the oracle's Python (``ORACLE_PY``, default
+  ``/tmp/kvoracle/venv/bin/python``, which has llama-cpp-python 0.3.17) in a subprocess and returns one dict per
+  operation.  llama.cpp aborts the process on a failed assertion: the list then ends early with ``{"abort": rc}``.
+* ``__main__`` (the oracle's interpreter): reads the spec as JSON on stdin, creates a ``llama_context`` and prints
+  one JSON line per operation.  It imports nothing from kvcache_ggml.
+
+Spec: ``{"model": path, "params": {n_ctx, n_batch, n_ubatch, n_seq_max, kv_unified, flash_attn, type_k, type_v,
+n_threads}, "ops": [...]}`` with ops ``{"op": "decode", "tokens", "pos", "seq" (list of lists), "logits"}``
+(answer: ``ret`` and ``logits`` base64 float32 rows of the output tokens, batch order), ``seq_rm/seq_cp/seq_keep/
+seq_add/seq_div`` (``args``), ``pos_min/pos_max`` (``seq``), ``clear``, ``state_seq_get`` (``seq``; answer ``blob``
+base64), ``state_seq_set`` (``seq``, ``blob``), ``bench`` (``prompt``, ``n_gen``, ``n_par``, ``reps``; answer
+seconds).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
+ORACLE_PY = Path(os.environ.get("ORACLE_PY", ORACLE_DIR / "venv" / "bin" / "python"))
+
+_GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
+
+
+def llama_available() -> str | None:
+    """None when llama-cpp-python can be run, else why not."""
+    if not ORACLE_PY.exists():
+        return f"{ORACLE_PY} missing: build the oracle with ../shared/oracle/build.sh"
+    return None
+
+
+def run_llama(spec: dict, timeout: float = 600) -> list[dict]:
+    """Run ``spec`` on llama.cpp in a subprocess; one answer dict per op (cut short by ``{"abort": rc}``)."""
+    why = llama_available()
+    if why:
+        raise RuntimeError(why)
+    p = subprocess.run([str(ORACLE_PY), str(Path(__file__).resolve())], input=json.dumps(spec),
+                       capture_output=True, text=True, timeout=timeout)
+    out = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode != 0 or len(out) < len(spec["ops"]):
+        out.append({"abort": p.returncode, "stderr": p.stderr[-3000:]})
+    return out
+
+
+def b64_floats(data: bytes | str, n_cols: int):
+    """float32 [rows, n_cols] from the runner's base64 logits."""
+    import numpy as np
+    raw = base64.b64decode(data)
+    return np.frombuffer(raw, np.float32).reshape(-1, n_cols)
+
+
+# ============================================================================ the oracle's side (llama_cpp)
+
+def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
+    import ctypes
+
+    import llama_cpp as L
+    import numpy as np
+
+    spec = json.loads(sys.stdin.read())
+    if not spec.get("verbose"):
+        cb = L.llama_log_callback(lambda level, text, user: None)
+        L.llama_log_set(cb, None)
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(spec["model"].encode(), mp)
+    if not model:
+        print(json.dumps({"error": "model load failed"}), flush=True)
+        return 1
+    pr = spec.get("params", {})
+    cp = L.llama_context_default_params()
+    cp.n_ctx = pr.get("n_ctx", 512)
+    cp.n_batch = pr.get("n_batch", 2048)
+    cp.n_ubatch = pr.get("n_ubatch", 512)
+    cp.n_seq_max = pr.get("n_seq_max", 1)
+    cp.n_threads = cp.n_threads_batch = pr.get("n_threads", 1)
+    cp.kv_unified = bool(pr.get("kv_unified", False))
+    cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if pr.get("flash_attn", True)
+                          else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    cp.type_k = _GGML_TYPE[pr.get("type_k", "f16")]
+    cp.type_v = _GGML_TYPE[pr.get("type_v", "f16")]
+    cp.no_perf = True
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        print(json.dumps({"error": "context creation failed"}), flush=True)
+        return 1
+    mem = L.llama_get_memory(ctx)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    n_seq_max = max(1, cp.n_seq_max)
+
+    def decode(tokens, pos, seqs, flags):
+        n = len(tokens)
+        b = L.llama_batch_init(n, 0, max(n_seq_max, max(len(s) for s in seqs)))
+        try:
+            b.n_tokens = n
+            for i in range(n):
+                b.token[i] = tokens[i]
+                b.pos[i] = pos[i]
+                b.n_seq_id[i] = len(seqs[i])
+                for j, s in enumerate(seqs[i]):
+                    b.seq_id[i][j] = s
+                b.logits[i] = int(flags[i])
+            ret = L.llama_decode(ctx, b)
+        finally:
+            L.llama_batch_free(b)
+        rows = []
+        if ret == 0:
+            for i in range(n):
+                if flags[i]:
+                    p = L.llama_get_logits_ith(ctx, i)
+                    rows.append(np.ctypeslib.as_array(p, shape=(n_vocab,)).copy())
+        arr = np.asarray(rows, np.float32).reshape(-1, n_vocab)
+        return ret, arr
+
+    for op in spec["ops"]:
+        kind = op["op"]
+        ans: dict = {"op": kind}
+        if kind == "decode":
+            n = len(op["tokens"])
+            seqs = op.get("seq") or [[0]] * n
+            flags = op.get("logits") or [0] * (n - 1) + [1]
+            ret, arr = decode(op["tokens"], op["pos"], seqs, flags)
+            ans.update(ret=ret, logits=base64.b64encode(arr.tobytes()).decode(), n_vocab=n_vocab)
+        elif kind in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"):
+            ans["ret"] = getattr(L, "llama_memory_" + kind)(mem, *op["args"])
+        elif kind == "pos_max":
+            ans["ret"] = L.llama_memory_seq_pos_max(mem, op["seq"])
+        elif kind == "pos_min":
+            ans["ret"] = L.llama_memory_seq_pos_min(mem, op["seq"])
+        elif kind == "clear":
+            L.llama_memory_clear(mem, True)
+        elif kind == "state_seq_get":
+            size = L.llama_state_seq_get_size(ctx, op["seq"])
+            buf = (ctypes.c_uint8 * max(size, 1))()
+            got = L.llama_state_seq_get_data(ctx, buf, size, op["seq"])
+            ans.update(size=size, blob=base64.b64encode(bytes(buf)[:got]).decode())
+        elif kind == "state_seq_set":
+            raw = base64.b64decode(op["blob"])
+            buf = (ctypes.c_uint8 * max(len(raw), 1)).from_buffer_copy(raw or b"\0")
+            ans["ret"] = L.llama_state_seq_set_data(ctx, buf, len(raw), op["seq"])
+        elif kind == "bench":
+            ans.update(_bench(L, ctx, mem, decode, op, n_vocab))
+        else:
+            ans["error"] = f"unknown op {kind!r}"
+        print(json.dumps(ans), flush=True)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+    return 0
+
+
+def _bench(L, ctx, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
+    """Prompt: decode ``prompt`` in sequence 0 (last token output).  Generation: copy it to ``n_par`` sequences,
+    then ``n_gen`` steps of one token per sequence, all output.  Best of ``reps`` for each."""
+    prompt = op["prompt"]
+    n_par, n_gen, reps = op.get("n_par", 1), op["n_gen"], op.get("reps", 3)
+    best_p = best_g = float("inf")
+    for _ in range(reps):
+        L.llama_memory_clear(mem, True)
+        t0 = time.perf_counter()
+        ret, _ = decode(prompt, list(range(len(prompt))), [[0]] * len(prompt), [0] * (len(prompt) - 1) + [1])
+        best_p = min(best_p, time.perf_counter() - t0)
+        assert ret == 0, ret
+        for s in range(1, n_par):
+            L.llama_memory_seq_cp(mem, 0, s, -1, -1)
+        n = len(prompt)
+        t0 = time.perf_counter()
+        for step in range(n_gen):
+            toks = [(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)]
+            ret, _ = decode(toks, [n + step] * n_par, [[s] for s in range(n_par)], [1] * n_par)
+            assert ret == 0, ret
+        best_g = min(best_g, time.perf_counter() - t0)
+    return {"prompt_s": best_p, "gen_s": best_g}
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

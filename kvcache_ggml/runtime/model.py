@@ -1,0 +1,273 @@
+"""A llama-family GGUF model loaded into ggml backend buffers: llama.cpp's ``llama_model`` for arch ``llama``.
+
+Weights are read with the ``gguf`` package and copied into one backend buffer per buffer type: the token
+embeddings on the CPU (llama.cpp's input layer), layer ``il`` on ``dev_layer(il)``, the output norm and head on
+``dev_output()``.  Both hooks default to the CPU device; another module (a backends/placement module) passes its
+own to put layers elsewhere.  The object is what :class:`~kvcache_ggml.cache.KVCache` expects of a model:
+``hparams``, ``dev_layer(il)`` and ``get_rope_freq_base/scale/factors(cparams, il)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import _ggml as G
+from ..hparams import HParams, RopeType
+
+__all__ = ["Model", "LayerWeights", "cpu_device"]
+
+_SUPPORTED_ARCHS = ("llama",)
+_LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                  "ffn_down")
+
+
+def cpu_device() -> int:
+    """The CPU's ggml_backend_dev_t."""
+    dev = G.ggml_backend_dev_by_type(int(G.DeviceType.CPU))
+    if not dev:
+        raise RuntimeError("ggml has no CPU device")
+    return dev
+
+
+def _dev_ptr(dev: Any) -> int:
+    ptr = getattr(dev, "ptr", dev)
+    if not isinstance(ptr, int) or ptr == 0:
+        raise ValueError(f"a device hook returned {dev!r}: expected a ggml device (handle or object with .ptr)")
+    return ptr
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """The tensors of one transformer block (ggml ``ne`` order)."""
+
+    attn_norm: Any    # F32 [n_embd]
+    wq: Any           # [n_embd, n_embd_head_k*n_head]
+    wk: Any           # [n_embd, n_embd_k_gqa]
+    wv: Any           # [n_embd, n_embd_v_gqa]
+    wo: Any           # [n_embd_head_v*n_head, n_embd]
+    ffn_norm: Any     # F32 [n_embd]
+    ffn_gate: Any     # [n_embd, n_ff]
+    ffn_up: Any       # [n_embd, n_ff]
+    ffn_down: Any     # [n_ff, n_embd]
+
+
+@dataclass(slots=True)
+class _Placement:
+    """One buffer type's tensors: a no_alloc context and, once loaded, the buffer holding their data."""
+
+    buft: int                          # ggml_backend_buffer_type_t
+    names: list[str]                   # GGUF tensor names placed here
+    ctx: G.Context | None = None       # tensor metadata
+    buf: G.BackendBuffer | None = None  # tensor data
+
+
+class Model:
+    """Weights and hyper-parameters of a llama GGUF, owned until :meth:`close` (or the ``with`` block ends)."""
+
+    def __init__(self, path: str | PathLike, *, dev_layer: Callable[[int], Any] | None = None,
+                 dev_output: Callable[[], Any] | None = None) -> None:
+        from gguf import GGUFReader  # the `test` extra installs it
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"model file {str(self.path)!r} does not exist")
+        self.hparams: HParams = HParams.from_gguf(self.path)
+        hp = self.hparams
+        if hp.arch not in _SUPPORTED_ARCHS:
+            raise ValueError(f"{self.path}: architecture {hp.arch!r} is not supported (supported: "
+                             f"{', '.join(_SUPPORTED_ARCHS)})")
+        if hp.rope_type != RopeType.NORM:
+            raise ValueError(f"{self.path}: rope type {hp.rope_type.name}, expected NORM for arch llama")
+        if hp.n_embd_head_k != hp.n_embd_head_v or hp.n_rot != hp.n_embd_head_k:
+            raise ValueError(f"{self.path}: llama needs n_embd_head_k == n_embd_head_v == n_rot, got "
+                             f"{hp.n_embd_head_k}, {hp.n_embd_head_v}, {hp.n_rot}")
+        self._dev_layer_hook = dev_layer
+        self._dev_output_hook = dev_output
+        self._cpu_dev = cpu_device()
+        self._placements: list[_Placement] = []
+        self.tensors: dict[str, Any] = {}        # GGUF name -> TensorP in a backend buffer
+        self.layers: list[LayerWeights] = []
+        self.tok_embd: Any = None                # [n_embd, n_vocab]
+        self.output_norm: Any = None             # F32 [n_embd]
+        self.output: Any = None                  # [n_embd, n_vocab] (token_embd when tied)
+        self.rope_freqs: Any = None              # F32 [n_rot/2] frequency factors, or None
+
+        reader = GGUFReader(str(self.path))
+        self.name = _field(reader, "general.name", self.path.stem)
+        self.vocab: list[str] = list(_field(reader, "tokenizer.ggml.tokens", []))
+        self.bos_token_id = int(_field(reader, "tokenizer.ggml.bos_token_id", -1))
+        self.eos_token_id = int(_field(reader, "tokenizer.ggml.eos_token_id", -1))
+        try:
+            self._load(reader)
+        except BaseException:
+            self.close()
+            raise
+        self.n_vocab = G.ne(self.output)[1]
+        if hp.n_vocab and hp.n_vocab != self.n_vocab:
+            raise ValueError(f"{self.path}: the output has {self.n_vocab} rows but the vocabulary {hp.n_vocab} "
+                             "tokens")
+        hp.n_vocab = self.n_vocab
+
+    # ------------------------------------------------------------------ the KVCache's model interface
+
+    def dev_layer(self, il: int) -> int:
+        """The ggml_backend_dev_t holding layer il (the CPU unless a hook says otherwise)."""
+        if not 0 <= il < self.hparams.n_layer:
+            raise ValueError(f"layer index il={il} out of range [0, n_layer={self.hparams.n_layer})")
+        return self._cpu_dev if self._dev_layer_hook is None else _dev_ptr(self._dev_layer_hook(il))
+
+    def dev_output(self) -> int:
+        """The ggml_backend_dev_t holding the output norm and head."""
+        return self._cpu_dev if self._dev_output_hook is None else _dev_ptr(self._dev_output_hook())
+
+    def get_rope_freq_base(self, cparams: Any, il: int) -> float:
+        hp = self.hparams
+        if hp.is_swa(il):
+            return float(getattr(hp, "rope_freq_base_train_swa", cparams.rope_freq_base))
+        return float(cparams.rope_freq_base)
+
+    def get_rope_freq_scale(self, cparams: Any, il: int) -> float:
+        hp = self.hparams
+        if hp.is_swa(il):
+            return float(getattr(hp, "rope_freq_scale_train_swa", cparams.rope_freq_scale))
+        return float(cparams.rope_freq_scale)
+
+    def get_rope_factors(self, cparams: Any, il: int) -> Any:
+        """The ``rope_freqs`` tensor (llama 3 frequency factors) or None."""
+        del cparams, il
+        return self.rope_freqs
+
+    def devices(self) -> list[int]:
+        """Distinct devices holding weights, in first-use order (the CPU included when it holds any)."""
+        seen: list[int] = []
+        for pl in self._placements:
+            dev = G.ggml_backend_buft_get_device(pl.buft) or self._cpu_dev
+            if dev not in seen:
+                seen.append(dev)
+        return seen
+
+    # ------------------------------------------------------------------ sizes
+
+    def n_params(self) -> int:
+        return sum(G.nelements(t) for t in self.tensors.values())
+
+    def size_bytes(self) -> int:
+        return sum(pl.buf.size for pl in self._placements if pl.buf is not None)
+
+    # ------------------------------------------------------------------ loading
+
+    def _buft_of(self, name: str) -> int:
+        if name.startswith("blk."):
+            il = int(name.split(".")[1])
+            return G.ggml_backend_dev_buffer_type(self.dev_layer(il))
+        if name in ("output_norm.weight", "output.weight", "rope_freqs.weight"):
+            return G.ggml_backend_dev_buffer_type(self.dev_output())
+        return G.cpu_buffer_type()  # token_embd: the input layer stays on the host, as llama.cpp
+
+    def _load(self, reader: Any) -> None:
+        hp = self.hparams
+        by_name = {t.name: t for t in reader.tensors}
+        need = ["token_embd.weight", "output_norm.weight"]
+        need += [f"blk.{il}.{n}.weight" for il in range(hp.n_layer) for n in _LAYER_TENSORS]
+        missing = [n for n in need if n not in by_name]
+        if missing:
+            raise ValueError(f"{self.path}: missing tensors {', '.join(missing[:6])}"
+                             f"{' ...' if len(missing) > 6 else ''}")
+        names = need + [n for n in ("output.weight", "rope_freqs.weight") if n in by_name]
+
+        plan: dict[int, _Placement] = {}
+        for name in names:
+            buft = self._buft_of(name)
+            plan.setdefault(buft, _Placement(buft, [])).names.append(name)
+        self._placements = list(plan.values())
+        for pl in self._placements:
+            pl.ctx = G.Context.for_tensors(len(pl.names))
+            for name in pl.names:
+                rt = by_name[name]
+                ne = tuple(int(d) for d in rt.shape)  # gguf stores dims in ggml ne order
+                self.tensors[name] = pl.ctx.new_tensor(int(rt.tensor_type), ne, name)
+            pl.buf = G.BackendBuffer.for_context(pl.ctx, pl.buft)
+            for name in pl.names:
+                _upload(self.tensors[name], by_name[name].data, name)
+
+        t = self.tensors
+        self.tok_embd = t["token_embd.weight"]
+        self.output_norm = t["output_norm.weight"]
+        self.output = t.get("output.weight", self.tok_embd)
+        self.rope_freqs = t.get("rope_freqs.weight")
+        for il in range(hp.n_layer):
+            w = [t[f"blk.{il}.{n}.weight"] for n in _LAYER_TENSORS]
+            self.layers.append(LayerWeights(*w))
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        hp = self.hparams
+        n_embd = hp.n_embd
+        n_vocab = G.ne(self.tok_embd)[1]
+        want = {"token_embd.weight": (n_embd, n_vocab), "output_norm.weight": (n_embd,)}
+        if self.output is not self.tok_embd:
+            want["output.weight"] = (n_embd, n_vocab)
+        for il in range(hp.n_layer):
+            b = f"blk.{il}."
+            n_ff = G.ne(self.layers[il].ffn_up)[1]
+            want.update({b + "attn_norm.weight": (n_embd,), b + "ffn_norm.weight": (n_embd,),
+                         b + "attn_q.weight": (n_embd, hp.n_embd_head_k * hp.n_head(il)),
+                         b + "attn_k.weight": (n_embd, hp.n_embd_k_gqa(il)),
+                         b + "attn_v.weight": (n_embd, hp.n_embd_v_gqa(il)),
+                         b + "attn_output.weight": (hp.n_embd_head_v * hp.n_head(il), n_embd),
+                         b + "ffn_gate.weight": (n_embd, n_ff), b + "ffn_up.weight": (n_embd, n_ff),
+                         b + "ffn_down.weight": (n_ff, n_embd)})
+        if self.rope_freqs is not None:
+            want["rope_freqs.weight"] = (hp.n_rot // 2,)
+        for name, ne in want.items():
+            have = G.ne(self.tensors[name])[:len(ne)]
+            if have != ne or any(d != 1 for d in G.ne(self.tensors[name])[len(ne):]):
+                raise ValueError(f"{self.path}: tensor {name} has ne {G.ne(self.tensors[name])}, expected {ne}")
+
+    # ------------------------------------------------------------------ ownership
+
+    def close(self) -> None:
+        """Free the weight buffers and contexts (idempotent); the model is unusable afterwards."""
+        for pl in self._placements:
+            if pl.buf is not None:
+                pl.buf.close()
+            if pl.ctx is not None:
+                pl.ctx.close()
+        self._placements = []
+        self.tensors = {}
+        self.layers = []
+        self.tok_embd = self.output = self.output_norm = self.rope_freqs = None
+
+    @property
+    def closed(self) -> bool:
+        return not self._placements
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        hp = self.hparams
+        return (f"<Model {self.name!r} {hp.arch}: {hp.n_layer} layers, n_embd {hp.n_embd}, "
+                f"{hp.n_head(0)}/{hp.n_head_kv(0)} heads, n_vocab {hp.n_vocab}{' closed' if self.closed else ''}>")
+
+
+def _field(reader: Any, key: str, default: Any) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _upload(t: Any, data: np.ndarray, name: str) -> None:
+    """Copy a GGUF tensor's raw data into ggml tensor t (any buffer)."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    n = G.nbytes(t)
+    if raw.nbytes != n:
+        raise ValueError(f"tensor {name}: the file holds {raw.nbytes} bytes, ggml expects {n} "
+                         f"({G.type_name(G.ttype(t))} ne {G.ne(t)})")
+    G.ggml_backend_tensor_set(t, raw.ctypes.data, 0, n)

@@ -1,0 +1,331 @@
+"""The runtime (kvcache_ggml.runtime) end to end against a float64 numpy forward pass of the same GGUF.
+
+Every case decodes with ggml on the cache and compares the logits with :mod:`kvcache_ggml.runtime.reference`:
+``Reference.forward`` (the whole sequence encoded from scratch) or ``ReferenceCache`` (a float64 cache that replays
+the same steps, for context shifts).  F32 weights and an F32 cache: the logits agree to 1e-4 of the largest one.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcache_ggml.batch import Batch
+from kvcache_ggml.runtime import Context, DecodeError, Model, Reference, make_model
+from kvcache_ggml.runtime.modelmaker import ModelSpec
+from kvcache_ggml.runtime.modelmaker import main as make_model_main
+
+TOL = 1e-4
+VOCAB = 64
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("rt") / "tiny.gguf", ModelSpec(layers=2, embd=64, heads=4,
+                                                                            heads_kv=2, ff=96, vocab=VOCAB))
+
+
+@pytest.fixture(scope="module")
+def ref(tiny):
+    return Reference(tiny)
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    with Model(tiny) as m:
+        yield m
+
+
+def ctx_of(model, **kw):
+    p = dict(n_ctx=256, n_seq_max=4, type_k="f32", type_v="f32", n_threads=1, n_threads_batch=1)
+    p.update(kw)
+    return Context(model, **p)
+
+
+def tokens(n, seed=0):
+    return np.random.default_rng(seed).integers(3, VOCAB, n).astype(np.int32)
+
+
+MODES = [pytest.param(fa, uni, id=f"{'fa' if fa else 'nofa'}-{'unified' if uni else 'streams'}")
+         for fa in (True, False) for uni in (True, False)]
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+@pytest.mark.parametrize("fa,unified", MODES)
+def test_prompt_then_decode(model, ref, fa, unified):
+    toks = tokens(24)
+    want = ref.forward(toks)
+    with ctx_of(model, flash_attn=fa, kv_unified=unified) as ctx:
+        got = [ctx.decode(Batch(token=toks[:16], logits=np.ones(16, np.int8)))]
+        for i in range(16, 24):
+            got.append(ctx.decode(Batch(token=toks[i:i + 1])))  # positions continue from the memory
+        assert ctx.memory_seq_pos_max(0) == 23
+        assert ctx.times.n_graph_reused >= 6  # the one-token graphs are built once
+    assert rel_err(np.concatenate(got), want) < TOL
+
+
+@pytest.mark.parametrize("fa,unified", MODES)
+def test_several_sequences_in_one_batch(model, ref, fa, unified):
+    prompts = [tokens(n, seed) for seed, n in ((1, 7), (2, 11), (3, 5))]
+    # interleave the three prompts in one batch, every token an output
+    order = sorted(((i, s) for s, p in enumerate(prompts) for i in range(len(p))), key=lambda t: (t[0], t[1]))
+    tok = np.array([prompts[s][i] for i, s in order], np.int32)
+    pos = np.array([i for i, s in order], np.int32)
+    seq = np.array([s for i, s in order], np.int32)
+    with ctx_of(model, flash_attn=fa, kv_unified=unified) as ctx:
+        got = ctx.decode(Batch(token=tok, pos=pos, seq_id=seq, logits=np.ones(len(tok), np.int8)))
+        assert got.shape == (len(tok), VOCAB)
+        for s, p in enumerate(prompts):
+            rows = np.flatnonzero(seq == s)
+            assert rel_err(got[rows], ref.forward(p)) < TOL
+        # then one token per sequence, outputs in batch order (the batch lists the sequences backwards)
+        nxt = np.array([9, 8, 7], np.int32)
+        step = ctx.decode(Batch(token=nxt[::-1].copy(), seq_id=np.array([2, 1, 0], np.int32),
+                                logits=np.ones(3, np.int8)))
+        for row, s in enumerate((2, 1, 0)):
+            want = ref.forward(np.append(prompts[s], nxt[s]))[-1]
+            assert rel_err(step[row], want) < TOL
+            assert np.array_equal(ctx.get_logits_ith(row), step[row])
+
+
+def test_embeddings_input(model, ref):
+    """A batch of embeddings (llama_batch.embd) instead of token ids gives the same logits."""
+    toks = tokens(6, seed=14)
+    with ctx_of(model) as ctx:
+        got = ctx.decode(Batch(embd=ref.tok_embd[toks].astype(np.float32), logits=np.ones(6, np.int8)))
+        nxt = ctx.decode(Batch(token=toks[:1]))
+    assert rel_err(got, ref.forward(toks)) < TOL
+    assert rel_err(nxt, ref.forward(np.append(toks, toks[0]))[-1:]) < TOL
+
+
+@pytest.mark.parametrize("n_ubatch", [1, 3, 8])
+def test_ubatches_and_selected_outputs(model, ref, n_ubatch):
+    toks = tokens(10, seed=4)
+    flags = np.zeros(10, np.int8)
+    flags[[2, 5, 9]] = 1
+    with ctx_of(model, n_ubatch=n_ubatch) as ctx:
+        got = ctx.decode(Batch(token=toks, logits=flags))
+        assert ctx.times.n_ubatch == -(-10 // n_ubatch)
+        assert ctx.output_ids.tolist() == [-1, -1, 0, -1, -1, 1, -1, -1, -1, 2]
+        assert rel_err(ctx.get_logits_ith(5), ref.forward(toks)[5]) < TOL
+    assert rel_err(got, ref.forward(toks)[[2, 5, 9]]) < TOL
+
+
+@pytest.mark.parametrize("fa,unified", MODES)
+def test_seq_cp_fork(model, ref, fa, unified):
+    prompt = tokens(12, seed=5)
+    with ctx_of(model, flash_attn=fa, kv_unified=unified) as ctx:
+        ctx.decode(Batch(token=prompt))
+        for s in (1, 2, 3):
+            ctx.memory_seq_cp(0, s, -1, -1)
+        if unified:
+            assert (ctx.kv.v_cells[0].seq_count_many(np.arange(12)) == 4).all()  # shared cells
+        cont = np.array([[11, 12], [13, 14], [15, 16], [17, 18]], np.int32)
+        for step in range(2):
+            got = ctx.decode(Batch(token=cont[:, step].copy(), seq_id=np.arange(4, dtype=np.int32),
+                                   logits=np.ones(4, np.int8)))
+            for s in range(4):
+                want = ref.forward(np.concatenate([prompt, cont[s, :step + 1]]))[-1]
+                assert rel_err(got[s], want) < TOL
+
+
+@pytest.mark.parametrize("fa,unified", MODES)
+def test_context_shift(model, ref, fa, unified):
+    """seq_rm + seq_add + K-shift, against a float64 cache that rotates the same K entries."""
+    toks = tokens(40, seed=6)
+    with ctx_of(model, flash_attn=fa, kv_unified=unified) as ctx:
+        rc = ref.cache()
+        ctx.decode(Batch(token=toks[:30], seq_id=np.full(30, 1, np.int32)))
+        rc.decode(toks[:30])
+        ctx.context_shift(1, 4, 10)
+        rc.seq_rm(4, 14)
+        rc.seq_add(14, 30, -10)
+        assert ctx.kv.get_has_shift()
+        got = ctx.decode(Batch(token=toks[30:36], seq_id=np.full(6, 1, np.int32), logits=np.ones(6, np.int8)))
+        assert not ctx.kv.get_has_shift()  # applied by the decode's memory update
+        assert ctx.memory_seq_pos_min(1) == 0 and ctx.memory_seq_pos_max(1) == 25
+        assert rel_err(got, rc.decode(toks[30:36])) < TOL
+        # and a second shift on top of the first
+        ctx.context_shift(1, 2, 5)
+        rc.seq_rm(2, 7)
+        rc.seq_add(7, 26, -5)
+        got = ctx.decode(Batch(token=toks[36:37], seq_id=np.full(1, 1, np.int32)))
+        assert rel_err(got, rc.decode(toks[36:37])) < TOL
+
+
+def test_context_shift_one_layer_equals_reencoding(tmp_path):
+    """With one layer the cached K/V depend on the token and position only: a shifted cache is a re-encoding."""
+    path = make_model(tmp_path / "one.gguf", ModelSpec(layers=1, vocab=VOCAB, seed=3))
+    toks = tokens(30, seed=7)
+    with Model(path) as m, ctx_of(m) as ctx:
+        ctx.decode(Batch(token=toks[:24]))
+        ctx.context_shift(0, 3, 9)
+        got = ctx.decode(Batch(token=toks[24:30], logits=np.ones(6, np.int8)))
+    kept = np.concatenate([toks[:3], toks[12:30]])
+    assert rel_err(got, Reference(path).forward(kept)[-6:]) < TOL
+
+
+def test_seq_div_and_keep(model, ref):
+    toks = tokens(8, seed=8)
+    with ctx_of(model, kv_unified=True) as ctx:
+        ctx.decode(Batch(token=toks, seq_id=np.zeros(8, np.int32)))
+        ctx.decode(Batch(token=toks[:3], seq_id=np.ones(3, np.int32)))
+        ctx.memory_seq_keep(0)
+        assert ctx.memory_seq_pos_max(1) == -1
+        ctx.memory_seq_div(0, 4, 8, 2)  # positions 4..7 -> 2,2,3,3
+        assert ctx.memory_seq_pos_max(0) == 3
+        got = ctx.decode(Batch(token=toks[:2], pos=np.array([4, 5], np.int32), logits=np.ones(2, np.int8)))
+    rc = ref.cache()
+    rc.decode(toks)
+    rc.seq_div(4, 8, 2)
+    assert rel_err(got, rc.decode(toks[:2], [4, 5])) < TOL
+
+
+@pytest.mark.parametrize("fa,unified", MODES)
+def test_state_save_restore(model, ref, tmp_path, fa, unified):
+    prompt = tokens(9, seed=9)
+    with ctx_of(model, flash_attn=fa, kv_unified=unified) as ctx:
+        ctx.decode(Batch(token=prompt))
+        blob = ctx.state_seq_get_data(0)
+        ctx.memory_seq_rm(0, -1, -1)
+        assert ctx.memory_seq_pos_max(0) == -1
+        assert ctx.state_seq_set_data(blob, 2) == len(blob)
+        size = ctx.state_seq_save_file(tmp_path / "s.bin", 2, prompt)
+        assert size > len(blob)
+        got_tokens = ctx.state_seq_load_file(tmp_path / "s.bin", 3)
+        assert got_tokens.tolist() == prompt.tolist()
+        got = ctx.decode(Batch(token=np.array([5, 5], np.int32), seq_id=np.array([2, 3], np.int32),
+                               logits=np.ones(2, np.int8)))
+        want = ref.forward(np.append(prompt, 5))[-1]
+        assert rel_err(got[0], want) < TOL and rel_err(got[1], want) < TOL
+
+
+# ---------------------------------------------------------------------------------------------- weights and types
+
+@pytest.mark.parametrize("wtype,tol", [("f16", 1e-2), ("q8_0", 5e-2)])
+def test_quantized_weights(tmp_path, wtype, tol):
+    path = make_model(tmp_path / f"{wtype}.gguf", ModelSpec(type=wtype, vocab=VOCAB, seed=1))
+    toks = tokens(12, seed=10)
+    with Model(path) as m, ctx_of(m) as ctx:
+        assert G_type_name(m.layers[0].wq) == wtype
+        got = ctx.decode(Batch(token=toks, logits=np.ones(12, np.int8)))
+    assert rel_err(got, Reference(path).forward(toks)) < tol
+
+
+def G_type_name(t):
+    from kvcache_ggml import _ggml as G
+    return G.type_name(G.ttype(t))
+
+
+@pytest.mark.parametrize("type_kv,tol", [("f16", 1e-2), ("q8_0", 5e-2)])
+def test_cache_types(tmp_path, type_kv, tol):
+    # q8_0 rows need a head size that is a whole number of 32-element blocks
+    path = make_model(tmp_path / "h32.gguf", ModelSpec(embd=64, heads=2, heads_kv=1, vocab=VOCAB, seed=4))
+    toks = tokens(10, seed=11)
+    with Model(path) as m, ctx_of(m, type_k=type_kv, type_v=type_kv, flash_attn=True) as ctx:
+        got = ctx.decode(Batch(token=toks, logits=np.ones(10, np.int8)))
+        ctx.context_shift(0, 2, 3)  # the K-shift of a quantized cache: dequantize, rotate, quantize
+        shifted = ctx.decode(Batch(token=toks[:1]))
+    assert rel_err(got, Reference(path).forward(toks)) < tol
+    rc = Reference(path).cache()
+    rc.decode(toks)
+    rc.seq_rm(2, 5)
+    rc.seq_add(5, 10, -3)
+    assert rel_err(shifted, rc.decode(toks[:1])) < tol
+
+
+def test_tied_output_and_device_hook(tmp_path):
+    path = make_model(tmp_path / "tied.gguf", ModelSpec(tied=True, vocab=VOCAB, seed=2))
+    asked = []
+
+    def dev_layer(il):
+        from kvcache_ggml.runtime.model import cpu_device
+        asked.append(il)
+        return cpu_device()
+
+    toks = tokens(6, seed=12)
+    with Model(path, dev_layer=dev_layer) as m, ctx_of(m) as ctx:
+        assert m.output is m.tok_embd
+        assert sorted(set(asked)) == [0, 1]
+        got = ctx.decode(Batch(token=toks, logits=np.ones(6, np.int8)))
+    assert rel_err(got, Reference(path).forward(toks)) < TOL
+
+
+def test_yarn_free_rope_overrides(model, ref):
+    """rope_freq_base / rope_freq_scale overrides reach the graph (and the reference takes the same)."""
+    toks = tokens(10, seed=13)
+    with ctx_of(model, rope_freq_base=5000.0, rope_freq_scale=0.5) as ctx:
+        got = ctx.decode(Batch(token=toks, logits=np.ones(10, np.int8)))
+    assert rel_err(got, ref.forward(toks, freq_base=5000.0, freq_scale=0.5)) < TOL
+
+
+# ---------------------------------------------------------------------------------------------- errors, ownership
+
+def test_decode_errors(model):
+    with ctx_of(model, n_ctx=256, n_seq_max=1, n_batch=256) as ctx:
+        with pytest.raises(DecodeError) as e:
+            ctx.decode(Batch(token=np.array([VOCAB], np.int32)))
+        assert e.value.code == -1 and "n_vocab" in str(e.value)
+        with pytest.raises(DecodeError) as e:
+            ctx.decode(Batch(token=np.zeros(300, np.int32)))
+        assert e.value.code == -1 and "n_batch" in str(e.value)
+        ctx.decode(Batch(token=np.full(200, 5, np.int32)))
+        with pytest.raises(DecodeError) as e:
+            ctx.decode(Batch(token=np.full(60, 5, np.int32)))
+        assert e.value.code == 1
+        assert ctx.memory_seq_pos_max(0) == 199  # the failed batch left the cache as it was
+        ctx.decode(Batch(token=np.full(56, 5, np.int32)))  # exactly fills the cache
+        with pytest.raises(ValueError, match="n_keep"):
+            ctx.context_shift(0, 250, 10)
+
+
+def test_close_is_idempotent(tiny):
+    m = Model(tiny)
+    ctx = Context(m, n_ctx=256, n_threads=1)
+    ctx.close()
+    ctx.close()
+    assert ctx.closed
+    with pytest.raises(ValueError, match="closed"):
+        ctx.decode(Batch(token=np.array([3], np.int32)))
+    m.close()
+    m.close()
+    assert m.closed
+    with pytest.raises(ValueError, match="closed"):
+        Context(m)
+
+
+def test_bad_params(model, tmp_path):
+    with pytest.raises(ValueError, match="n_ubatch"):
+        Context(model, n_ubatch=0)
+    with pytest.raises(ValueError, match="unknown ggml type"):
+        Context(model, type_k="f13")
+    with pytest.raises(FileNotFoundError):
+        Model(tmp_path / "missing.gguf")
+    with pytest.raises(ValueError, match="multiple of heads"):
+        make_model(tmp_path / "x.gguf", ModelSpec(embd=63))
+    with pytest.raises(ValueError, match="q8_0 needs ff"):
+        make_model(tmp_path / "x.gguf", ModelSpec(type="q8_0", ff=100))
+
+
+def test_make_model_cli(tmp_path, capsys):
+    out = tmp_path / "cli.gguf"
+    assert make_model_main([str(out), "--layers", "1", "--embd", "32", "--heads", "2", "--heads-kv", "1",
+                            "--ff", "64", "--vocab", "40", "--type", "f16"]) == 0
+    assert str(out) in capsys.readouterr().out
+    with Model(out) as m:
+        hp = m.hparams
+        assert (hp.n_layer, hp.n_embd, hp.n_head(0), hp.n_head_kv(0), m.n_vocab) == (1, 32, 2, 1, 40)
+
+
+def test_demo_default_run(capsys):
+    """`python -m kvcache_ggml demo`: fork, context shift, numpy check, save/restore -- all OK."""
+    from kvcache_ggml.demo import main as demo_main
+    assert demo_main(["--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "context shift of every sequence" in out
+    assert "numpy check" in out and "restore check" in out and out.rstrip().endswith("-> OK")
+    assert "M" in out.split("cell map before the context shift:")[1]
