@@ -7,8 +7,8 @@
 
 Set-up: creates .venv/, installs the build dependencies, downloads the pinned ggml-python source package into
 vendor/, unpacks it under vendor/ggml/, builds and installs it with the requested ggml backends (CPU always, RPC by
-default), then installs this project editable with its test extra. A stamp file in .venv/ records what was done;
-a re-run with the same flags does nothing. Standard library only.
+default), then installs this project editable with its test extra (`test` adds the notebooks extra). A stamp file
+in .venv/ records what was done; a re-run with the same flags does nothing. Standard library only.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ SDIST = VENDOR / f"ggml_python-{GGML_PYTHON_VERSION}.tar.gz"
 SOURCE = VENDOR_GGML / f"ggml_python-{GGML_PYTHON_VERSION}"
 BUILD_DEPS = ("numpy>=1.24", "scikit-build-core>=0.10", "setuptools>=70.1", "typing_extensions>=4.6.3")
 CMAKE_MIN = (3, 21)  # ggml-python's CMakeLists.txt requires 3.21
-PROJECT_EXTRAS = "test"
+# extras of this project each command needs (the notebooks extra runs the notebook tests)
+COMMAND_EXTRAS = {None: ("test",), "test": ("test", "notebooks"), "demo": ("test",)}
 STAMP_SCHEMA = 1
 GGML_RECIPE = 2  # bump when the way ggml-python is built changes: forces one rebuild
 COMMANDS = ("test", "demo")
@@ -187,8 +188,16 @@ def ggml_key(flags: BuildFlags) -> dict:
             "recipe": GGML_RECIPE}
 
 
-def project_key() -> dict:
-    return {"pyproject_sha256": file_sha256(ROOT / "pyproject.toml"), "extras": PROJECT_EXTRAS}
+def project_key(extras: tuple[str, ...]) -> dict:
+    return {"pyproject_sha256": file_sha256(ROOT / "pyproject.toml"), "extras": ",".join(sorted(set(extras)))}
+
+
+def installed_extras(stamp: dict) -> set[str]:
+    """Extras of the install the stamp records, when it was made from the current pyproject.toml."""
+    have = stamp.get("project") or {}
+    if have.get("pyproject_sha256") != file_sha256(ROOT / "pyproject.toml"):
+        return set()
+    return {e for e in str(have.get("extras", "")).split(",") if e}
 
 
 def ggml_libs_present() -> bool:
@@ -272,12 +281,15 @@ def stage_ggml(stamp: dict, flags: BuildFlags, jobs: int) -> dict:
     return stamp
 
 
-def stage_project(stamp: dict) -> dict:
-    if stamp.get("project") == project_key():
+def stage_project(stamp: dict, extras: tuple[str, ...]) -> dict:
+    """Install the project editable; a no-op when the stamp records the same pyproject and every extra needed."""
+    have = installed_extras(stamp)
+    if set(extras) <= have:
         return stamp
-    say(f"installing kvcache_ggml editable with extras [{PROJECT_EXTRAS}]")
-    run_logged(pip("install", "--no-build-isolation", "-e", f".[{PROJECT_EXTRAS}]"), "install of kvcache_ggml")
-    stamp = {**stamp, "project": project_key(), "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    key = project_key(tuple(have | set(extras)))  # keep what an earlier command installed
+    say(f"installing kvcache_ggml editable with extras [{key['extras']}]")
+    run_logged(pip("install", "--no-build-isolation", "-e", f".[{key['extras']}]"), "install of kvcache_ggml")
+    stamp = {**stamp, "project": key, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_stamp(stamp)
     return stamp
 
@@ -299,14 +311,14 @@ def build_lock():
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def setup(flags: BuildFlags, jobs: int) -> bool:
+def setup(flags: BuildFlags, jobs: int, extras: tuple[str, ...] = COMMAND_EXTRAS[None]) -> bool:
     """Bring .venv/ up to date; return True when anything was done."""
     with build_lock():
         before = read_stamp()
         stamp = stage_venv(before)
         stamp = stage_ggml(stamp, flags, jobs)
         fetched = stage_sources()
-        stamp = stage_project(stamp)
+        stamp = stage_project(stamp, extras)
     return stamp != before or fetched
 
 
@@ -326,7 +338,7 @@ def main(argv: list[str]) -> int:
                        rpc=args.rpc)
     t0 = time.monotonic()
     try:
-        did_work = setup(flags, args.jobs)
+        did_work = setup(flags, args.jobs, COMMAND_EXTRAS[command])
         if did_work:
             say(f"set-up finished in {time.monotonic() - t0:.1f} s")
         if not args.quiet and (did_work or command is None):
