@@ -38,6 +38,7 @@ _ROW_CHUNK = 1 << 16  # mask elements per chunk of rows: the temporaries stay in
 _BAND_MAX = 0.25      # build only the differing columns of a group's rows when they span at most this of n_kv
 
 _NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i4", G.GGMLType.I64: "<i8"}
+_ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
 
 
 class _HostMemory:
@@ -64,24 +65,21 @@ def _host_array(dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int
     dimension and a contiguous layout, and lives in host memory (a host buffer, or an allocating context).
     Nothing is written.
     """
-    tt = G.ttype(dst)
+    tt, have, nb, buf, ptr = G.header(dst)  # one struct read: this runs for every input of every step
     if tt not in types:
         want = " or ".join(G.type_name(t) for t in types)
         raise ValueError(f"tensor {G.name(dst)!r} is {G.type_name(tt)}, expected {want}")
-    have = G.ne(dst)
     if have != tuple(ne):
         raise ValueError(f"tensor {G.name(dst)!r} has ne {have}, expected {tuple(ne)}")
-    if not G.is_contiguous(dst):
-        raise ValueError(f"tensor {G.name(dst)!r} is not contiguous (nb {G.nb(dst)}): the inputs are written "
-                         "densely")
-    buf = G.buffer(dst)
+    # the input types are scalar (block size 1): contiguous means each stride is the previous row's bytes
+    if nb[0] != _ITEMSIZE[tt] or nb[1] != nb[0] * have[0] or nb[2] != nb[1] * have[1] or nb[3] != nb[2] * have[2]:
+        raise ValueError(f"tensor {G.name(dst)!r} is not contiguous (nb {nb}): the inputs are written densely")
     if buf and not G.ggml_backend_buffer_is_host(buf):
         raise ValueError(f"tensor {G.name(dst)!r} is in {_buffer_desc(dst)}, which is not a host buffer: "
                          f"set_input_* writes host memory (allocate the inputs in a CPU buffer)")
-    ptr = G.data_ptr(dst)
     if not ptr:
         raise ValueError(f"tensor {G.name(dst)!r} ({_buffer_desc(dst)}) has no data: allocate it first")
-    return np.asarray(_HostMemory(ptr, tuple(int(d) for d in reversed(ne)), _NP_TYPESTR[tt]))
+    return np.asarray(_HostMemory(ptr, (have[3], have[2], have[1], have[0]), _NP_TYPESTR[tt]))
 
 
 def _c_div(a: np.ndarray, b: int) -> np.ndarray:
