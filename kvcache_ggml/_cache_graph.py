@@ -27,10 +27,7 @@ _BLOCKS = {t: (G.type_size(t), G.blck_size(t)) for t in G.GGMLType}  # type -> (
 
 def _ctx_ptr(ctx: Any) -> int:
     """The ggml_context pointer of a G.Context or of a raw handle."""
-    ptr = getattr(ctx, "ptr", ctx)
-    if not isinstance(ptr, int) or ptr == 0:
-        raise ValueError(f"expected a ggml context (G.Context or a non-NULL handle), got {ctx!r}")
-    return ptr
+    return G.handle(ctx, "a ggml context")
 
 
 @dataclass(slots=True)

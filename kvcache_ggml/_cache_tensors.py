@@ -40,10 +40,7 @@ class _CtxBuf:
 
 def _dev_ptr(dev: Any) -> int:
     """A ggml_backend_dev_t from what ``model.dev_layer`` returns: a raw handle or an object with ``.ptr``."""
-    ptr = getattr(dev, "ptr", dev)
-    if not isinstance(ptr, int) or ptr == 0:
-        raise ValueError(f"model.dev_layer() returned {dev!r}: expected a ggml device (handle or object with .ptr)")
-    return ptr
+    return G.handle(dev, "a ggml device from model.dev_layer()")
 
 
 class TensorMixin:

@@ -387,7 +387,7 @@ class CacheMachine(RuleBasedStateMachine):
             compare(self.kv, self.m)
 
 
-_SM = settings(max_examples=40, stateful_step_count=30, deadline=None)
+_SM = settings(max_examples=80, stateful_step_count=30, deadline=None)  # 2400 steps per configuration
 
 
 def _machine(name, cfg, coupled=True):

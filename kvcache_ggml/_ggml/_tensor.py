@@ -30,6 +30,14 @@ def _c(t: TensorP) -> ctypes.Structure:
     return t.contents
 
 
+def handle(obj: object, what: str) -> int:
+    """The native pointer of an owner (anything with ``.ptr``) or of a raw non-NULL handle; ValueError else."""
+    ptr = getattr(obj, "ptr", obj)
+    if not isinstance(ptr, int) or ptr == 0:
+        raise ValueError(f"expected {what} (an object with .ptr or a non-NULL handle), got {obj!r}")
+    return ptr
+
+
 def addr(t: TensorP | None) -> int:
     """Address of the struct ggml_tensor (0 for NULL): compare tensors with it, or key dicts by it."""
     return ctypes.addressof(t.contents) if t else 0

@@ -34,10 +34,7 @@ def cpu_device() -> int:
 
 
 def _dev_ptr(dev: Any) -> int:
-    ptr = getattr(dev, "ptr", dev)
-    if not isinstance(ptr, int) or ptr == 0:
-        raise ValueError(f"a device hook returned {dev!r}: expected a ggml device (handle or object with .ptr)")
-    return ptr
+    return G.handle(dev, "a ggml device from a device hook")
 
 
 @dataclass(slots=True)
