@@ -421,7 +421,7 @@ class KVCache(TensorMixin, GraphMixin, InputMixin, StateMixin):
         nt = ubatch.n_tokens
         for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
             cells = self.v_cells[st]
-            occ = idx[cells.pos_array[idx] >= 0]
+            occ = idx[cells.pos_array[idx] >= 0] if idx.size > 1 or cells.pos_array[idx[0]] >= 0 else idx[:0]
             if occ.size:
                 assert (cells.seq_count_many(occ) == 1).all(), "overwriting a cell shared by several sequences"
                 seqs = cells.seq_get_many(occ)
@@ -489,6 +489,8 @@ class KVCache(TensorMixin, GraphMixin, InputMixin, StateMixin):
     def _scan(self, cells: KVCells, head: int, n_tokens: int) -> np.ndarray | None:
         """First ``n_tokens`` usable cells in circular order from ``head`` (the seed's one-by-one search)."""
         size = cells.size()
+        if n_tokens == 1 and head < size and cells.pos_array[head] < 0:
+            return np.array([head], np.int64)  # the decode step: the head cell is free (empty is always usable)
         hi = min(size, head + n_tokens)
         if hi - head == n_tokens:
             u = self._usable(cells, head, hi)

@@ -401,6 +401,8 @@ class KVCells:
         """The ``want`` cells of ``seq_id`` in [p0, p1), scanning back from the last used cell in growing chunks
         (recent tokens sit near the end): O(1) for the decode pattern, a full scan at worst."""
         pos, row, bit = self._pos, self._seq[seq_id >> 6], _BIT[seq_id & 63]
+        if want == 1 and hi > lo and p0 <= pos[hi - 1] < p1 and row[hi - 1] & bit:
+            return np.array([hi - 1], np.int64)  # the newest cell: the undo of a decode step
         found, n, step = [], 0, 64
         while hi > lo and n < want:
             a = max(lo, hi - step)
@@ -621,6 +623,10 @@ class KVCells:
     def _fix_hi(self) -> None:
         """Shrink the enclosing upper bound to the last used cell + 1 (backward scan in growing chunks)."""
         pos, hi, step = self._pos, self._used_hi, 64
+        if hi > 1 and pos[hi - 2] >= 0 and pos[hi - 1] < 0:  # the last cell was freed, the one before is used
+            self._used_hi = hi - 1
+            self._hi_dirty = False
+            return
         while hi > 0:
             lo = max(0, hi - step)
             nz = (pos[lo:hi] >= 0).nonzero()[0]
