@@ -275,6 +275,8 @@ class GraphMixin:
         if needs_data and self.hparams.no_alloc:
             raise RuntimeError("update() moves K/V data, but this cache was created with hparams.no_alloc "
                                "(its tensors have no memory)")
+        if do_shift and self.hparams.rope_type != RopeType.NONE:
+            self._check_kshift(lctx)  # before the copies: a refused update changes nothing
         if not sc_info.empty():
             assert self.n_stream > 1, "stream copy should never happen with a single stream"
             if lctx is not None:
@@ -308,6 +310,22 @@ class GraphMixin:
             for layer in self.layers:
                 G.ggml_backend_tensor_copy(layer.k_stream[ssrc], layer.k_stream[sdst])
                 G.ggml_backend_tensor_copy(layer.v_stream[ssrc], layer.v_stream[sdst])
+
+    def _check_kshift(self, lctx: UpdateContext | None) -> None:
+        """ValueError/RuntimeError for a K-shift this cache cannot compute (ggml would abort), before any work."""
+        hp = self.hparams
+        rope_type = RopeType(hp.rope_type)
+        if rope_type not in (RopeType.NORM, RopeType.NEOX, *_SHIFT_AS_NEOX):
+            raise ValueError(f"K-shift supports NORM, NEOX, MROPE and IMROPE rope types, not {rope_type.name}")
+        if hp.n_rot % 2 or hp.n_rot > hp.n_embd_head_k:
+            raise ValueError(f"n_rot={hp.n_rot} must be even and <= n_embd_head_k={hp.n_embd_head_k} for the "
+                             f"K-shift")
+        if self.type_k == G.GGMLType.BF16:
+            raise ValueError("K-shift of a bf16 K cache: ggml's rope supports F32/F16 (and quantized types through "
+                             "F32), not bf16")
+        if lctx is not None and self.shift_graph_size() > lctx.graph_size:
+            raise RuntimeError(f"the K-shift graph needs {self.shift_graph_size()} nodes; the scheduler was created "
+                               f"for {lctx.graph_size}")
 
     def _compute_shift(self, lctx: UpdateContext) -> bool:
         """Build, allocate and compute the K-shift graph on lctx's scheduler; False when the compute fails."""

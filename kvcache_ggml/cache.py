@@ -248,6 +248,8 @@ class KVCache(TensorMixin, GraphMixin, InputMixin, StateMixin):
         self._check_shiftable("seq_add")
         if shift == 0:
             return
+        if not -_POS_MAX - 1 <= shift <= _POS_MAX:
+            raise ValueError(f"seq_add() shift {shift} does not fit a llama_pos (int32)")
         p0, p1 = _clamp_range(p0, p1)
         if p0 == p1:
             return
@@ -263,8 +265,8 @@ class KVCache(TensorMixin, GraphMixin, InputMixin, StateMixin):
         self._check_shiftable("seq_div")
         if d == 1:
             return
-        if d < 1:
-            raise ValueError(f"seq_div() divisor must be >= 1, got {d}")
+        if not 1 <= d <= _POS_MAX:
+            raise ValueError(f"seq_div() divisor must be in [1, {_POS_MAX}], got {d}")
         p0, p1 = _clamp_range(p0, p1)
         if p0 == p1:
             return
@@ -300,7 +302,7 @@ class KVCache(TensorMixin, GraphMixin, InputMixin, StateMixin):
         for s in sinfo.strm:
             cells = self.v_cells[s]
             used = cells.used_max_p1()
-            padded = (used + n_pad_cur - 1) // n_pad_cur * n_pad_cur
+            padded = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)  # GGML_PAD: a true multiple for powers of two
             res = max(res, min(cells.size(), max(n_pad_cur, padded)))
         return res
 
@@ -582,7 +584,13 @@ class KVCacheContext(ContextInputsMixin):
         if self.status.is_fail():
             raise RuntimeError(f"apply() on a failed memory context ({self.status.name})")
         if not self.ubatches:
-            self.kv.update(self.lctx, self.do_shift, self.sc_info)
+            try:
+                self.kv.update(self.lctx, self.do_shift, self.sc_info)
+            except Exception:
+                # queue the stream copies again (a whole-stream copy is idempotent): a later update makes them
+                self.kv.sc_info.ssrc[:0] = self.sc_info.ssrc
+                self.kv.sc_info.sdst[:0] = self.sc_info.sdst
+                raise
             return True
         self.kv.apply_ubatch(self.sinfos[self.i_cur], self.ubatches[self.i_cur])
         self.n_kv = self.kv.get_n_kv(self.sinfos[self.i_cur])

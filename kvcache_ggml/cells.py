@@ -388,8 +388,8 @@ class KVCells:
             if want <= _FEW:
                 return self._find_few(p0, p1, seq_id, want, lo, hi)
         pos = self._pos[lo:hi]
-        # empty cells hold -1 < p0, and no position reaches INT32_MAX
-        sel = (pos >= p0) if p1 >= _I32_MAX else (pos >= p0) & (pos < p1)
+        # empty cells hold -1 < p0; p1 stays strict, as the seed's pos_in (a cell at INT32_MAX is never in range)
+        sel = (pos >= p0) if p1 > _I32_MAX else (pos >= p0) & (pos < p1)
         idxs = sel.nonzero()[0]
         if lo:
             idxs += lo
@@ -450,7 +450,8 @@ class KVCells:
     def seq_keep_many(self, idxs: np.ndarray, seq_id: int) -> np.ndarray:
         """Keep only ``seq_id`` in the (non-empty) cells ``idxs``; returns the cells that became empty."""
         has = self.seq_mask_at(seq_id, idxs)
-        drop = idxs[~has]
+        # a used cell without any sequence is kept (the seed's release build; only pos_set() alone makes one)
+        drop = idxs[~has & self._seq[:, idxs].any(axis=0)]
         keep = idxs[has]
         multi = keep[self.seq_count_many(keep) > 1] if keep.size else keep
         if multi.size:

@@ -944,7 +944,8 @@ class StateMixin:
         ``flags`` (``llama_state_seq_flags``) are accepted and ignored, as by llama.cpp's KV cache.
         """
         del flags
-        self._check_seq(seq_id, allow_all=True)
+        if not -1 <= seq_id < LLAMA_MAX_SEQ:  # the seed writes empty streams for an id no stream holds
+            raise ValueError(f"seq_id {seq_id} out of range [0, {LLAMA_MAX_SEQ}) or -1 for all")
         self._check_state_layout(data=not isinstance(io, CountingWriter))
         n0 = io.n_bytes()
         io.write(_U32.pack(self.n_stream))
