@@ -38,6 +38,9 @@ _ROW_CHUNK = 1 << 16  # mask elements per chunk of rows: the temporaries stay in
 _BAND_MAX = 0.25      # build only the differing columns of a group's rows when they span at most this of n_kv
 
 _NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i4", G.GGMLType.I64: "<i8"}
+_SEQ_BIT = [np.uint64(1 << b) for b in range(64)]
+# mask value by visibility (index 0: hidden, 1: visible), per numpy dtype char of the mask
+_ZERO_IF_VISIBLE = {"f": np.array([-np.inf, 0.0], np.float32), "e": np.array([-np.inf, 0.0], np.float16)}
 _ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
 
 
@@ -144,8 +147,20 @@ class InputMixin:
         if out.size == 0:
             return
         rows = out.reshape(n_tokens, n_kv)  # row i = token i (stream s, token ii of it: i = s*n_tps + ii)
+        if n_tokens == 1 and self.swa_type == SwaType.NONE and not self.hparams.use_alibi and not ubatch.is_pos_2d():
+            self._mask_one(rows[0], int(ubatch.seq_id[0, 0]), int(ubatch.pos[0]), bool(causal_attn))
+            return
         for seq_id, tok in _token_groups(ubatch.seq_id[:, 0]):
             self._mask_group(rows, tok, seq_id, ubatch, bool(causal_attn))
+
+    def _mask_one(self, row: np.ndarray, seq_id: int, p1: int, causal: bool) -> None:
+        """The decode step's row: one token, no window, no ALiBi, no 2-D positions -- a few whole-row ops."""
+        n_kv = row.shape[0]
+        cells = self.v_cells[self._seq_to_stream_list[seq_id]]
+        vis = (cells.seq_bits[seq_id >> 6, :n_kv] & _SEQ_BIT[seq_id & 63]) != 0  # [n_kv]; empty cells hold no bit
+        if causal:
+            vis &= cells.pos_array[:n_kv] <= p1
+        np.take(_ZERO_IF_VISIBLE[row.dtype.char], vis.view(np.uint8), out=row)
 
     def _mask_group(self, rows: np.ndarray, tok: slice | np.ndarray, seq_id: int, ubatch: Any,
                     causal: bool) -> None:
