@@ -39,8 +39,6 @@ _BAND_MAX = 0.25      # build only the differing columns of a group's rows when 
 
 _NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i4", G.GGMLType.I64: "<i8"}
 _SEQ_BIT = [np.uint64(1 << b) for b in range(64)]
-# mask value by visibility (index 0: hidden, 1: visible), per numpy dtype char of the mask
-_ZERO_IF_VISIBLE = {"f": np.array([-np.inf, 0.0], np.float32), "e": np.array([-np.inf, 0.0], np.float16)}
 _ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
 
 
@@ -157,10 +155,12 @@ class InputMixin:
         """The decode step's row: one token, no window, no ALiBi, no 2-D positions -- a few whole-row ops."""
         n_kv = row.shape[0]
         cells = self.v_cells[self._seq_to_stream_list[seq_id]]
-        vis = (cells.seq_bits[seq_id >> 6, :n_kv] & _SEQ_BIT[seq_id & 63]) != 0  # [n_kv]; empty cells hold no bit
+        hidden = (cells.seq_bits[seq_id >> 6, :n_kv] & _SEQ_BIT[seq_id & 63]) == 0  # [n_kv]; empty cells too
         if causal:
-            vis &= cells.pos_array[:n_kv] <= p1
-        np.take(_ZERO_IF_VISIBLE[row.dtype.char], vis.view(np.uint8), out=row)
+            hidden |= cells.pos_array[:n_kv] > p1
+        # -inf where hidden, +0.0 elsewhere: one integer multiply by the bit pattern of -inf
+        itype, neg_inf = _NEG_INF_BITS[G.GGMLType.F32 if row.dtype == np.float32 else G.GGMLType.F16]
+        np.multiply(hidden, neg_inf, out=row.view(itype))
 
     def _mask_group(self, rows: np.ndarray, tok: slice | np.ndarray, seq_id: int, ubatch: Any,
                     causal: bool) -> None:
