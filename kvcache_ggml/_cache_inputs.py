@@ -108,11 +108,11 @@ class InputMixin:
             out = _host_array(dst, (G.GGMLType.I64,), (n_tokens, 1, 1, 1)).reshape(-1)
             np.copyto(out, self._token_cells(sinfo))
             return
-        kv_size = self.get_size()
-        n_embd = self.hparams.n_embd_v_gqa_max()
+        elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
+        n_embd = elem.shape[0]
         out = _host_array(dst, (G.GGMLType.I64,), (n_tokens * n_embd, 1, 1, 1)).reshape(n_tokens, n_embd)
-        base = self._token_cells(sinfo, stream_stride=kv_size * n_embd)       # [n_tokens]
-        np.add(base[:, None], np.arange(n_embd, dtype=np.int64) * kv_size, out=out)
+        base = self._token_cells(sinfo, stream_stride=self.get_size() * n_embd)  # [n_tokens]
+        np.add(base[:, None], elem, out=out)
 
     def set_input_k_shift(self, dst: Any) -> None:
         """I32 [kv_size*n_stream]: the pending shift of every cell, 0 for empty cells."""

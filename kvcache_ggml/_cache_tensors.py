@@ -10,6 +10,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from . import _ggml as G
 
 log = logging.getLogger("kvcache_ggml.cache")
@@ -54,6 +56,8 @@ class TensorMixin:
         self.layers: list[KVLayer] = []
         self.map_layer_ids: dict[int, int] = {}
         self._ctxs_bufs: list[_CtxBuf] = []
+        # offset of element j of a transposed V row in its stream: the per-step v_idxs input adds it to each cell
+        self._v_elem_offs = np.arange(hp.n_embd_v_gqa_max(), dtype=np.int64) * kv_size
 
         # plan first: every check before any native allocation
         plan: list[tuple[int, int, str, int, int]] = []  # (il, buft, dev_name, n_embd_k_gqa, n_embd_v_gqa)

@@ -56,7 +56,7 @@ def nb(t: TensorP) -> tuple[int, int, int, int]:
 def header(t: TensorP) -> tuple[int, tuple[int, ...], tuple[int, ...], int, int]:
     """(type, ne, nb, buffer, data) of a tensor in one read of its struct -- for per-step hot paths."""
     c = _c(t)
-    return c.type, tuple(c.ne), tuple(c.nb), c.buffer or 0, c.data or 0
+    return c.type, tuple(c.ne[:]), tuple(c.nb[:]), c.buffer or 0, c.data or 0  # [:] is 3x faster than iterating
 
 
 def ttype(t: TensorP) -> GGMLType:
