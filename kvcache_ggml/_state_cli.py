@@ -12,7 +12,8 @@ import os
 import sys
 from typing import Sequence
 
-from .state import LayerState, StateInfo, _magic_text, _type_text, read_state_file
+from .cache.state_files import read_state_file
+from .cache.state_format import LayerState, StateInfo, magic_text, type_text
 
 __all__ = ["main_inspect", "format_info"]
 
@@ -34,11 +35,11 @@ def _span(a: int, b: int) -> str:
 
 
 def _layer_text(L: LayerState) -> str:
-    k = f"K {_type_text(L.k_type)} rows of {L.k_row_size} B"
+    k = f"K {type_text(L.k_type)} rows of {L.k_row_size} B"
     if L.v_row_size is not None:
-        v = f"V {_type_text(L.v_type)} rows of {L.v_row_size} B"
+        v = f"V {type_text(L.v_type)} rows of {L.v_row_size} B"
     else:
-        v = f"V {_type_text(L.v_type)} transposed, {L.n_embd_v_gqa} channels of {L.v_el_size} B elements"
+        v = f"V {type_text(L.v_type)} transposed, {L.n_embd_v_gqa} channels of {L.v_el_size} B elements"
     return f"{k}, {_size(L.k_nbytes)} | {v}, {_size(L.v_nbytes)}"
 
 
@@ -49,7 +50,7 @@ def format_info(info: StateInfo, name: str = "state") -> str:
         out.append(f"{name}: KV cache state, {_size(info.size)}")
     else:
         what = "sequence state file" if info.kind == "seq" else "session file"
-        out.append(f"{name}: {what} ('{_magic_text(info.magic)}' version {info.version}), {_size(info.size)}")
+        out.append(f"{name}: {what} ('{magic_text(info.magic)}' version {info.version}), {_size(info.size)}")
         toks = info.tokens.tolist()
         shown = ", ".join(str(t) for t in toks[:_MAX_TOKENS]) + (", ..." if len(toks) > _MAX_TOKENS else "")
         out.append(f"tokens: {len(toks)} [{shown}]")

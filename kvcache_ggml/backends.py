@@ -840,7 +840,7 @@ class Backends:
 
     def update_context(self, cparams: Any = None, hparams: Any = None) -> Any:
         """An UpdateContext (for KVCache.update / the K-shift) on this scheduler; it does not own the scheduler."""
-        from ._cache_graph import UpdateContext
+        from .cache import UpdateContext
         from .cparams import CParams
         if cparams is None:
             if hparams is None:

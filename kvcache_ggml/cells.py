@@ -10,32 +10,37 @@ Storage is a set of parallel numpy arrays, one entry per cell:
 * ``seq``   uint64 [SEQ_WORDS, size] -- a bitset of the sequences that own the cell, word-major so that the
   membership column of one sequence is contiguous.
 
-Two derived indices are kept in sync with those arrays by exactly two private helpers,
-:meth:`KVCells._index_add` and :meth:`KVCells._index_remove` (llama.cpp's ``seq_pos_add``/``seq_pos_rm`` plus its
-``used`` set):
+Two derived indices (:mod:`kvcache_ggml.cellindex`; llama.cpp's ``used`` set and ``seq_pos``) are kept in sync
+with those arrays:
 
-* the used set -- a count plus the bounds ``used_min``/``used_max_p1``, re-found lazily with a chunked scan when a
-  boundary cell is freed;
-* per sequence, the multiset of its positions (:class:`_PosMultiset`), so that ``seq_pos_min``/``seq_pos_max`` are
+* the used range (:class:`UsedRange`) -- a count plus the bounds ``used_min``/``used_max_p1``, re-found lazily with
+  a chunked scan when a boundary cell is freed;
+* per sequence, the multiset of its positions (:class:`PosMultiset`), so that ``seq_pos_min``/``seq_pos_max`` are
   O(1).
+
+Whole cells enter and leave both indices through two private helpers, :meth:`KVCells._index_add` and
+:meth:`KVCells._index_remove` (moves, shifts, removals, restores).  The mutators of the decode path update them in
+place for the one sequence they know: :meth:`~KVCells.place` (new cells: the used range and their sequences'
+multisets), :meth:`~KVCells.seq_add_many` / :meth:`~KVCells.seq_rm_many` (one sequence joins or leaves cells: its
+multiset, and the used range for cells left empty) and :meth:`~KVCells.pos_set` (the used range).
+:meth:`~KVCells.check_invariants` recomputes both indices from the arrays and reports every disagreement.
 
 Every llama.cpp method has a counterpart with the same name working on one cell.  The cache itself uses the
 vectorised ``*_many``/``find``/``place`` methods, which give the same result as the per-cell loops of the seed.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._consts import LLAMA_MAX_SEQ, SEQ_WORDS
+from ._consts import INT32_MAX, LLAMA_MAX_SEQ, SEQ_WORDS
+from .cellindex import PosMultiset, UsedRange
 
-__all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ"]
+__all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids"]
 
 _ONE = np.uint64(1)
 _BIT = [np.uint64(1 << b) for b in range(64)]
-_I32_MAX = np.iinfo(np.int32).max
 _FEW = 64  # find() scans backwards for this many cells of a sequence or fewer
 _NO_CELLS = np.empty(0, np.int64)
 _NO_CELLS.flags.writeable = False
@@ -53,101 +58,21 @@ class CellExt:
         return self.y > oy or (self.y == oy and self.x > ox)
 
 
-class _PosMultiset:
-    """Sorted multiset of positions (llama.cpp's ``std::map<llama_pos, int>``) as two Python lists.
-
-    Appending past the maximum and removing the maximum -- the decode pattern -- are O(1).
-    """
-
-    __slots__ = ("keys", "counts")
-
-    def __init__(self) -> None:
-        self.keys: list[int] = []    # distinct positions, ascending
-        self.counts: list[int] = []  # how many cells hold keys[k]
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def inc(self, p: int) -> None:
-        keys = self.keys
-        if not keys or p > keys[-1]:
-            keys.append(p)
-            self.counts.append(1)
-            return
-        k = bisect_left(keys, p)
-        if k < len(keys) and keys[k] == p:
-            self.counts[k] += 1
-        else:
-            keys.insert(k, p)
-            self.counts.insert(k, 1)
-
-    def count_in(self, p0: int, p1: int, limit: int) -> int:
-        """Cells holding a position in [p0, p1); any value above ``limit`` is reported as ``limit + 1``."""
-        keys, counts = self.keys, self.counts
-        a = bisect_left(keys, p0)
-        b = bisect_left(keys, p1, a)
-        if b - a > limit:
-            return limit + 1
-        return sum(counts[a:b])
-
-    def dec(self, p: int) -> None:
-        keys = self.keys
-        k = len(keys) - 1 if keys and keys[-1] == p else bisect_left(keys, p)
-        assert k < len(keys) and keys[k] == p, f"position {p} is not in the multiset"
-        self.counts[k] -= 1
-        if self.counts[k] == 0:
-            del keys[k]
-            del self.counts[k]
-
-    def update(self, ps: np.ndarray, sign: int) -> None:
-        """Add (sign=+1) or remove (sign=-1) every position of ``ps``, with multiplicity."""
-        if ps.size <= 8:
-            f = self.inc if sign > 0 else self.dec
-            for p in ps.tolist():
-                f(p)
-            return
-        u, c = _sorted_counts(ps)
-        if not self.keys:
-            assert sign > 0, "removing positions from an empty multiset"
-            self.keys, self.counts = u.tolist(), c.tolist()
-            return
-        keys = np.array(self.keys, dtype=np.int64)
-        counts = np.array(self.counts, dtype=np.int64)
-        k = np.searchsorted(keys, u)
-        hit = k < keys.size
-        hit[hit] = keys[k[hit]] == u[hit]
-        if hit.all():  # no new position: adjust counts in place (every removal takes this path)
-            counts[k] += sign * c
-            assert (counts >= 0).all(), "removing positions that are not in the multiset"
-            keep = counts > 0
-            if keep.all():
-                self.counts = counts.tolist()
-            else:
-                self.keys, self.counts = keys[keep].tolist(), counts[keep].tolist()
-            return
-        assert sign > 0, "removing positions that are not in the multiset"
-        counts[k[hit]] += c[hit]
-        merged = np.concatenate([keys, u[~hit]])
-        order = np.argsort(merged, kind="stable")
-        self.keys = merged[order].tolist()
-        self.counts = np.concatenate([counts, c[~hit]])[order].tolist()
-
-
-def _sorted_counts(ps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct values of ``ps`` ascending, and how often each occurs (np.unique without its overhead)."""
-    s = np.sort(ps.astype(np.int64, copy=False))
-    start = np.empty(s.size, bool)
-    start[0] = True
-    np.not_equal(s[1:], s[:-1], out=start[1:])
-    first = start.nonzero()[0]
-    return s[first], np.diff(np.append(first, s.size))
+def bitset_ids(words: np.ndarray) -> list[int]:
+    """Ascending sequence ids of one cell's bitset (uint64 [SEQ_WORDS]: word w holds sequences 64w..64w+63)."""
+    out = []
+    for w, v in enumerate(int(x) for x in words.tolist()):
+        while v:
+            low = v & -v
+            out.append(w * 64 + low.bit_length() - 1)
+            v ^= low
+    return out
 
 
 class KVCells:
     """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``)."""
 
-    __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_n_used", "_used_lo", "_used_hi",
-                 "_lo_dirty", "_hi_dirty", "_seq_pos")
+    __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_used", "_seq_pos")
 
     def __init__(self, size: int = 0) -> None:
         self._pos = np.empty(0, np.int32)                # [size] position, -1 = empty
@@ -155,12 +80,8 @@ class KVCells:
         self._ext = np.empty((0, 2), np.int32)           # [size, 2] M-RoPE (x, y)
         self._seq = np.empty((SEQ_WORDS, 0), np.uint64)  # [SEQ_WORDS, size] sequence bitset
         self._has_shift = False                          # any pos_add/pos_div since reset_shift()
-        self._n_used = 0                                 # number of non-empty cells
-        self._used_lo = 0                                # first used cell (a lower bound of it while _lo_dirty)
-        self._used_hi = 0                                # last used cell + 1 (an upper bound while _hi_dirty)
-        self._lo_dirty = False                           # the first used cell was freed: re-scan lazily
-        self._hi_dirty = False                           # the last used cell was freed: re-scan lazily
-        self._seq_pos: dict[int, _PosMultiset] = {}      # seq id -> multiset of its positions
+        self._used = UsedRange()                         # count and bounds of the non-empty cells
+        self._seq_pos: dict[int, PosMultiset] = {}      # seq id -> multiset of its positions
         self.resize(size)
 
     # ------------------------------------------------------------------ whole-stream operations
@@ -171,9 +92,7 @@ class KVCells:
         self._ext.fill(0)
         self._seq.fill(0)
         self._has_shift = False
-        self._n_used = 0
-        self._used_lo = self._used_hi = 0
-        self._lo_dirty = self._hi_dirty = False
+        self._used.reset()
         self._seq_pos.clear()
 
     def reset_shift(self) -> None:
@@ -193,17 +112,15 @@ class KVCells:
         self.reset()
 
     def get_used(self) -> int:
-        return self._n_used
+        return self._used.n
 
     def used_min(self) -> int:
-        if self._lo_dirty:
-            self._fix_lo()
-        return self._used_lo
+        u = self._used
+        return u.first(self._pos) if u.lo_dirty else u.lo
 
     def used_max_p1(self) -> int:
-        if self._hi_dirty:
-            self._fix_hi()
-        return self._used_hi
+        u = self._used
+        return u.end(self._pos) if u.hi_dirty else u.hi
 
     def get_has_shift(self) -> bool:
         return self._has_shift
@@ -304,7 +221,7 @@ class KVCells:
     def pos_set(self, i: int, p: int) -> None:
         assert self._pos[i] == -1 and not self._seq[:, i].any(), f"pos_set() of occupied cell {i}"
         self._pos[i] = p
-        self._used_insert(np.array([i], np.int64))
+        self._used.insert(np.array([i], np.int64))
 
     def ext_set(self, i: int, ext: CellExt | tuple[int, int]) -> None:
         self._ext[i] = (ext.x, ext.y) if isinstance(ext, CellExt) else ext
@@ -345,6 +262,29 @@ class KVCells:
         row = self._seq[seq_id >> 6] if n is None else self._seq[seq_id >> 6, :n]
         return (row & _BIT[seq_id & 63]) != 0
 
+    def seq_absent(self, seq_id: int, n: int) -> np.ndarray:
+        """bool [n]: which of the first ``n`` cells do not hold ``seq_id`` (empty cells included)."""
+        return (self._seq[seq_id >> 6, :n] & _BIT[seq_id & 63]) == 0
+
+    def seq_ids(self) -> list[int]:
+        """Ascending ids of the sequences that hold at least one cell."""
+        return sorted(self._seq_pos)
+
+    def seq_lists(self, idxs: np.ndarray, n_seq_max: int = LLAMA_MAX_SEQ) -> tuple[np.ndarray, np.ndarray]:
+        """The sequences below ``n_seq_max`` of the cells ``idxs``: (count int64 [n], ids int32 [count.sum()]),
+        each cell's ids ascending, cell after cell."""
+        n_words = (n_seq_max + 63) // 64
+        bits = self._seq[:n_words, idxs]                     # a copy [n_words, n]
+        if n_seq_max % 64:
+            bits[n_words - 1] &= np.uint64((1 << (n_seq_max % 64)) - 1)
+        counts = np.bitwise_count(bits).sum(axis=0, dtype=np.int64)
+        if (counts == 1).all():
+            w = np.argmax(bits != 0, axis=0)
+            v = bits[w, np.arange(bits.shape[1])]            # a power of two: exact in float64
+            return counts, (w * 64 + np.frexp(v.astype(np.float64))[1] - 1).astype(np.int32)
+        m = np.unpackbits(np.ascontiguousarray(bits.T).view(np.uint8), axis=1, bitorder="little")
+        return counts, np.nonzero(m[:, :n_seq_max])[1].astype(np.int32)
+
     def seq_mask_at(self, seq_id: int, idxs: np.ndarray) -> np.ndarray:
         """bool [len(idxs)]: which of the cells ``idxs`` hold ``seq_id``."""
         return (self._seq[seq_id >> 6, idxs] & _BIT[seq_id & 63]) != 0
@@ -363,13 +303,7 @@ class KVCells:
     def seqs_in(self, idxs: np.ndarray) -> list[int]:
         """Sorted ids of the sequences present in any of the cells ``idxs``."""
         words = np.bitwise_or.reduce(self._seq[:, idxs], axis=1) if idxs.size else np.zeros(SEQ_WORDS, np.uint64)
-        out = []
-        for w, v in enumerate(words.tolist()):
-            while v:
-                low = v & -v
-                out.append(w * 64 + low.bit_length() - 1)
-                v ^= low
-        return out
+        return bitset_ids(words)
 
     def find(self, p0: int, p1: int, seq_id: int = -1) -> np.ndarray:
         """int64 indices of the non-empty cells with position in [p0, p1) (and holding ``seq_id`` when >= 0).
@@ -389,7 +323,7 @@ class KVCells:
                 return self._find_few(p0, p1, seq_id, want, lo, hi)
         pos = self._pos[lo:hi]
         # empty cells hold -1 < p0; p1 stays strict, as the seed's pos_in (a cell at INT32_MAX is never in range)
-        sel = (pos >= p0) if p1 > _I32_MAX else (pos >= p0) & (pos < p1)
+        sel = (pos >= p0) if p1 > INT32_MAX else (pos >= p0) & (pos < p1)
         idxs = sel.nonzero()[0]
         if lo:
             idxs += lo
@@ -444,7 +378,7 @@ class KVCells:
             del self._seq_pos[seq_id]
         if emptied.size:
             self._clear_cells(emptied)
-            self._used_erase(emptied)
+            self._used.erase(emptied)
         return emptied
 
     def seq_keep_many(self, idxs: np.ndarray, seq_id: int) -> np.ndarray:
@@ -507,14 +441,14 @@ class KVCells:
             self._pos[i] = p
             if ext is not None:
                 self._ext[i] = ext[0]
-            self._used_insert(idxs)
+            self._used.insert(idxs)
             self._seq[s >> 6, i] |= _BIT[s & 63]
             self._ms(s).inc(p)
             return
         self._pos[idxs] = pos
         if ext is not None:
             self._ext[idxs] = ext
-        self._used_insert(idxs)
+        self._used.insert(idxs)
         if seq_ids.shape[1] == 1:
             col = seq_ids[:, 0]
             first = int(col[0])
@@ -530,11 +464,46 @@ class KVCells:
         """Recompute both derived indices from the arrays."""
         self._seq_pos = {}
         used = np.flatnonzero(self._pos >= 0)
-        self._n_used = used.size
-        self._used_lo, self._used_hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
-        self._lo_dirty = self._hi_dirty = False
+        self._used.rebuild(used)
         for s in self.seqs_in(used):
             self._ms(s).update(self._pos[used[self.seq_mask_at(s, used)]], +1)
+
+    def check_invariants(self, where: str = "cells") -> list[str]:
+        """Every disagreement between the arrays and the derived indices, recomputed from scratch (empty when the
+        cells are consistent); each message starts with ``where``."""
+        n = self._pos.shape[0]
+        want = {"_pos": (n,), "_shift": (n,), "_ext": (n, 2), "_seq": (SEQ_WORDS, n)}
+        errs = [f"{where}: {k} has shape {getattr(self, k).shape}, expected {shape}" for k, shape in want.items()
+                if getattr(self, k).shape != shape]
+        if errs:
+            return errs  # the other checks index the arrays
+        pos, shift, bits = self._pos, self._shift, self._seq
+        empty, has_seq = pos == -1, bits.any(axis=0)
+        errs += [f"{where}: cell {i} has position {pos[i]} (< -1)" for i in np.flatnonzero(pos < -1).tolist()]
+        errs += [f"{where}: empty cell {i} holds sequences {bitset_ids(bits[:, i])}"
+                 for i in np.flatnonzero(empty & has_seq).tolist()]
+        errs += [f"{where}: empty cell {i} has shift {shift[i]} (expected 0)"
+                 for i in np.flatnonzero(empty & (shift != 0)).tolist()]
+        errs += [f"{where}: cell {i} holds position {pos[i]} but no sequence"
+                 for i in np.flatnonzero((pos >= 0) & ~has_seq).tolist()]
+        used = np.flatnonzero(pos >= 0)
+        errs += self._used.check(used, pos, where)
+        for q in sorted(set(self.seqs_in(used)) | set(self._seq_pos)):
+            held = pos[used[self.seq_mask_at(q, used)]]
+            ms = self._seq_pos.get(q)
+            if ms is None:
+                errs.append(f"{where}: sequence {q} holds {held.size} cells but has no position multiset")
+                continue
+            errs += ms.check(held, f"{where}: sequence {q}")
+            pmin, pmax = (int(held.min()), int(held.max())) if held.size else (-1, -1)
+            if (self.seq_pos_min(q), self.seq_pos_max(q)) != (pmin, pmax):
+                errs.append(f"{where}: sequence {q} seq_pos_min/max = {self.seq_pos_min(q)}/{self.seq_pos_max(q)}, "
+                            f"its cells give {pmin}/{pmax}")
+        shifted = np.flatnonzero(shift != 0)
+        if shifted.size and not self._has_shift:
+            errs.append(f"{where}: {shifted.size} cells have a pending shift (first: cell {int(shifted[0])}) but "
+                        f"has_shift is False")
+        return errs
 
     # ------------------------------------------------------------------ private helpers
 
@@ -549,10 +518,10 @@ class KVCells:
             raise ValueError(f"cell index out of [0, {self.size()}): {idxs.min()}..{idxs.max()}")
         return idxs
 
-    def _ms(self, seq_id: int) -> _PosMultiset:
+    def _ms(self, seq_id: int) -> PosMultiset:
         ms = self._seq_pos.get(seq_id)
         if ms is None:
-            ms = self._seq_pos[seq_id] = _PosMultiset()
+            ms = self._seq_pos[seq_id] = PosMultiset()
         return ms
 
     def _clear_cells(self, idxs: np.ndarray) -> None:
@@ -572,7 +541,7 @@ class KVCells:
         """Enter the (non-empty) cells ``idxs`` into the used set and the position multisets."""
         if not idxs.size:
             return
-        self._used_insert(idxs)
+        self._used.insert(idxs)
         pos = self._pos[idxs]
         seqs = self.seqs_in(idxs)
         if len(seqs) == 1 and idxs.size == 1:
@@ -591,65 +560,7 @@ class KVCells:
             ms.update(pos[self.seq_mask_at(s, idxs)], -1)
             if not ms:
                 del self._seq_pos[s]
-        self._used_erase(idxs)
-
-    def _used_insert(self, idxs: np.ndarray) -> None:
-        if idxs.size == 1:
-            lo = int(idxs[0])
-            hi = lo + 1
-        else:
-            lo, hi = int(idxs.min()), int(idxs.max()) + 1
-        if self._n_used == 0:
-            self._used_lo, self._used_hi = lo, hi
-            self._lo_dirty = self._hi_dirty = False
-        else:
-            # exact bounds stay exact; stale (dirty) bounds stay an enclosure of every used cell
-            self._used_lo = min(self._used_lo, lo)
-            self._used_hi = max(self._used_hi, hi)
-        self._n_used += idxs.size
-
-    def _used_erase(self, idxs: np.ndarray) -> None:
-        self._n_used -= idxs.size
-        assert self._n_used >= 0
-        if self._n_used == 0:
-            self._used_lo = self._used_hi = 0
-            self._lo_dirty = self._hi_dirty = False
-            return
-        lo, hi = (int(idxs[0]), int(idxs[0]) + 1) if idxs.size == 1 else (int(idxs.min()), int(idxs.max()) + 1)
-        if lo <= self._used_lo:
-            self._lo_dirty = True
-        if hi >= self._used_hi:
-            self._hi_dirty = True
-
-    def _fix_hi(self) -> None:
-        """Shrink the enclosing upper bound to the last used cell + 1 (backward scan in growing chunks)."""
-        pos, hi, step = self._pos, self._used_hi, 64
-        if hi > 1 and pos[hi - 2] >= 0 and pos[hi - 1] < 0:  # the last cell was freed, the one before is used
-            self._used_hi = hi - 1
-            self._hi_dirty = False
-            return
-        while hi > 0:
-            lo = max(0, hi - step)
-            nz = (pos[lo:hi] >= 0).nonzero()[0]
-            if nz.size:
-                hi = lo + int(nz[-1]) + 1
-                break
-            hi, step = lo, step * 4
-        self._used_hi = hi
-        self._hi_dirty = False
-
-    def _fix_lo(self) -> None:
-        """Raise the enclosing lower bound to the first used cell (forward scan in growing chunks)."""
-        pos, lo, step, n = self._pos, self._used_lo, 64, self.size()
-        while lo < n:
-            up = min(n, lo + step)
-            nz = (pos[lo:up] >= 0).nonzero()[0]
-            if nz.size:
-                lo += int(nz[0])
-                break
-            lo, step = up, step * 4
-        self._used_lo = lo
-        self._lo_dirty = False
+        self._used.erase(idxs)
 
     def __repr__(self) -> str:
-        return f"KVCells(size={self.size()}, used={self._n_used}, seqs={sorted(self._seq_pos)})"
+        return f"KVCells(size={self.size()}, used={self._used.n}, seqs={sorted(self._seq_pos)})"

@@ -199,3 +199,12 @@ def _resolve_ctx_sizes(c: CParams) -> None:
     if c.n_ctx_seq == 0:
         raise ValueError(f"n_ctx_seq == 0 (n_ctx {c.n_ctx}, n_seq_max {c.n_seq_max})")
     c.n_ctx = c.n_ctx_seq * c.n_seq_max
+
+
+def layer_rope_freq(hparams: Any, cparams: CParams, il: int) -> tuple[float, float]:
+    """(freq_base, freq_scale) of layer ``il`` (llama_model::get_rope_freq_base/scale): a sliding-window layer
+    uses the model's SWA training values when it has them, every other layer the context's."""
+    if hparams.is_swa(il):
+        return (float(getattr(hparams, "rope_freq_base_train_swa", cparams.rope_freq_base)),
+                float(getattr(hparams, "rope_freq_scale_train_swa", cparams.rope_freq_scale)))
+    return float(cparams.rope_freq_base), float(cparams.rope_freq_scale)

@@ -88,7 +88,7 @@ def slot(kv, per_stream, rng, streams=None):
 def test_get_k_view(ctx, type_k, n_stream, s0, s1):
     kv = make(n_stream=n_stream, type_k=type_k, n_embd_head=32)
     for il in range(3):
-        k = kv._layer(il).k
+        k = kv.tensors.layer(il).k
         n_kv, h = 12, kv.hparams.n_head_kv(il)
         t = kv.get_k(ctx, il, n_kv, SlotInfo(s0=s0, s1=s1, strm=list(range(s0, s1 + 1))))
         gqa = 32 * h
@@ -105,7 +105,7 @@ def test_get_v_view(ctx, v_trans, n_stream, s0, s1):
     kv = make(v_trans=v_trans, n_stream=n_stream)
     hp, n_kv = kv.hparams, 16
     for il in range(3):
-        v = kv._layer(il).v
+        v = kv.tensors.layer(il).v
         h = hp.n_head_kv(il)
         width = hp.n_embd_v_gqa_max() if v_trans else E_HEAD_V * h  # [TAG_V_CACHE_VARIABLE]
         assert G.ne(v)[0] == width
@@ -133,7 +133,7 @@ def test_cpy_k_ops(ctx, n_stream):
         assert G.ttype(k_idxs) == G.GGMLType.I64 and G.ne(k_idxs) == (n_tokens, 1, 1, 1)
         assert k_idxs.contents.flags & 1  # GGML_TENSOR_FLAG_INPUT
         t = kv.cpy_k(ctx, k_cur, k_idxs, il, None)
-        k = kv._layer(il).k
+        k = kv.tensors.layer(il).k
         assert G.op(t) == Op.SET_ROWS
         src0, src1, src2 = G.src(t, 0), G.src(t, 1), G.src(t, 2)
         assert G.op(src0) == Op.VIEW and same(G.view_src(src0), k_cur)
@@ -164,7 +164,7 @@ def test_cpy_v_ops(ctx, v_trans, strided):
         else:
             v_cur = G.new_tensor(ctx, "f32", (E_HEAD_V, h, n_tokens))
         t = kv.cpy_v(ctx, v_cur, v_idxs, il, None)
-        v = kv._layer(il).v
+        v = kv.tensors.layer(il).v
         assert G.op(t) == Op.SET_ROWS and same(G.src(t, 1), v_idxs)
         src0, src2 = G.src(t, 0), G.src(t, 2)
         if not v_trans:

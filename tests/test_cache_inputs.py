@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from kvcache_ggml import _cache_inputs, _ggml as G
+from kvcache_ggml import _ggml as G
+from kvcache_ggml.cache import masks as _masks
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus
 from kvcache_ggml.hparams import (HParams, RopeType, SwaType, is_masked_swa, is_masked_swa_np,
@@ -262,9 +263,9 @@ def test_mask_matches_seed_loop(name, monkeypatch):
             for n_kv in (ctx.get_n_kv(), int(rng.integers(1, kv.get_size() + 1))):
                 want = seed_mask(kv, ub, n_kv, ns, causal)
                 # whole rows, the default choice, and always the shared row + the differing columns
-                for band_max in (-1.0, _cache_inputs._BAND_MAX, 1.0):
+                for band_max in (-1.0, _masks._BAND_MAX, 1.0):
                     with monkeypatch.context() as mp:
-                        mp.setattr(_cache_inputs, "_BAND_MAX", band_max)
+                        mp.setattr(_masks, "_BAND_MAX", band_max)
                         got = fill_mask(kv, ub, n_kv, ns, causal)
                         assert same_bits(got, want), (name, causal, n_kv, band_max, ub.pos, ub.seq_id.tolist())
                 got16 = fill_mask(kv, ub, n_kv, ns, causal, "f16")
@@ -599,9 +600,8 @@ def test_window_bounds_equal_is_masked_swa(swa_type):
     p0 = np.arange(0, 41)
     p1 = np.arange(0, 41)
     for n_swa in range(0 if swa_type != SwaType.CHUNKED else 1, 10):
-        kv = make(kv_size=8, n_swa=n_swa, swa_type=swa_type)
         for causal in (True, False):
-            lo, hi = kv._window(p1.astype(np.int32), causal)
+            lo, hi = _masks.window(p1.astype(np.int32), causal, n_swa, swa_type)
             got = np.ones((p1.size, p0.size), bool)
             if lo is not None:
                 got &= p0[None, :] >= lo[:, None]

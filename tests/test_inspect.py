@@ -8,7 +8,7 @@ import pytest
 
 from kvcache_ggml import _ggml as G
 from kvcache_ggml import inspect as I
-from kvcache_ggml._cache_graph import UpdateContext
+from kvcache_ggml.cache import UpdateContext
 from kvcache_ggml._consts import LLAMA_MAX_SEQ
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.cells import KVCells
@@ -85,16 +85,16 @@ def test_missing_and_extra_multiset():
 
 def test_poked_used_count_and_bounds():
     kv = populated()
-    kv.v_cells[0]._n_used += 1
+    kv.v_cells[0]._used.n += 1
     _only(kv, "used count 9 != 8")
     kv = populated()
     cells = kv.v_cells[0]
     cells.used_max_p1()  # resolve any stale bound first
-    cells._used_hi -= 1
+    cells._used.hi -= 1
     _only(kv, "stored used_max_p1")
     _only(kv, "used_max_p1() =")
     kv = populated()
-    kv.v_cells[0]._used_lo = 1  # clean bound above the first used cell (0)
+    kv.v_cells[0]._used.lo = 1  # clean bound above the first used cell (0)
     _only(kv, "stored used_min 1")
 
 
@@ -102,7 +102,7 @@ def test_stale_bound_enclosing_the_used_cells_is_fine():
     kv = populated()
     kv.seq_rm(1, 3, -1)  # frees the last used cells: the upper bound goes stale (dirty), still an enclosure
     cells = kv.v_cells[0]
-    assert cells._hi_dirty
+    assert cells._used.hi_dirty
     assert I.check_invariants(kv) == []
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvcache_ggml import _ggml as G
-from kvcache_ggml._cache_graph import UpdateContext
+from kvcache_ggml.cache import UpdateContext
 from kvcache_ggml.cache import KVCache, StreamCopyInfo
 from kvcache_ggml.cparams import CParams, ContextParams, RopeScalingType
 from kvcache_ggml.hparams import HParams, RopeType
@@ -247,7 +247,7 @@ def test_swa_layers_use_the_swa_rope_base_when_hparams_has_it():
     kv.seq_add(0, 0, 8, 3)
     pending = shifts(kv)
     cp = CParams.from_hparams(model.hparams)
-    assert kv._rope_params(cp, 1) == (100.0, 0.5, None) and kv._rope_params(cp, 0) == (10000.0, 1.0, None)
+    assert kv.kshift.rope_params(cp, 1) == (100.0, 0.5, None) and kv.kshift.rope_params(cp, 0) == (10000.0, 1.0, None)
     assert kv.update(None, True, StreamCopyInfo())
 
     class Swa:  # the rule written out for check_rotated

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvcache_ggml import _ggml as G
-from kvcache_ggml import state as S
+from kvcache_ggml.cache import state_codec as S
 from kvcache_ggml._state_cli import main_inspect
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus

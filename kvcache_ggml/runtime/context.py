@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import _ggml as G
-from .._cache_graph import UpdateContext
+from ..cache import UpdateContext
 from .._consts import LLAMA_MAX_SEQ
 from ..batch import Batch, BatchAllocator
 from ..cache import KVCache, KVCacheParams, MemoryStatus

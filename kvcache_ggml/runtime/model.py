@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _ggml as G
+from ..cparams import layer_rope_freq
 from ..hparams import HParams, RopeType
 
 __all__ = ["Model", "LayerWeights", "cpu_device"]
@@ -122,16 +123,10 @@ class Model:
         return self._cpu_dev if self._dev_output_hook is None else _dev_ptr(self._dev_output_hook())
 
     def get_rope_freq_base(self, cparams: Any, il: int) -> float:
-        hp = self.hparams
-        if hp.is_swa(il):
-            return float(getattr(hp, "rope_freq_base_train_swa", cparams.rope_freq_base))
-        return float(cparams.rope_freq_base)
+        return layer_rope_freq(self.hparams, cparams, il)[0]
 
     def get_rope_freq_scale(self, cparams: Any, il: int) -> float:
-        hp = self.hparams
-        if hp.is_swa(il):
-            return float(getattr(hp, "rope_freq_scale_train_swa", cparams.rope_freq_scale))
-        return float(cparams.rope_freq_scale)
+        return layer_rope_freq(self.hparams, cparams, il)[1]
 
     def get_rope_factors(self, cparams: Any, il: int) -> Any:
         """The ``rope_freqs`` tensor (llama 3 frequency factors) or None."""

@@ -1,0 +1,55 @@
+"""The KV cache: llama.cpp's ``llama_kv_cache`` as a facade over four parts (see ``docs/architecture.md``).
+
+======================  =====================================================================  ============
+module                  owns                                                                   ggml
+======================  =====================================================================  ============
+``types``               value objects: KVCacheParams, SlotInfo, StreamCopyInfo, MemoryStatus   no
+``bookkeeping``         cells and heads per stream, seq -> stream, queued stream copies,       no
+                        ``seq_*``, ``find_slot``/``apply_ubatch``/``prepare``, ``get_n_kv``
+``masks``               the kq mask kernels (numpy)                                            no
+``tensors``             K/V tensors and buffers (the native handles), views, stores, copies    yes
+``shift``               the K-shift graph, UpdateContext                                       yes
+``inputs``              ``set_input_*``: indices, shifts, mask, position buckets               yes
+``state_io``            state writers and readers                                              yes
+``state_format``        the state layout, its parsed form and checks                           yes
+``state_codec``         ``state_write``/``state_read``                                         yes
+``state_files``         sequence state files, ``parse_state``                                  yes
+``context``             KVCacheContext (llama_kv_cache_context)                                yes
+``kvcache``             KVCache, the facade with llama.cpp's method names                      yes
+======================  =====================================================================  ============
+
+Importing this package is light: the names below are loaded on first access, so ``kvcache_ggml.cache.bookkeeping``
+can be imported without ggml.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+
+# public name -> module defining it, imported on first access
+_LAZY = {
+    "KVCacheParams": ".types", "SlotInfo": ".types", "StreamCopyInfo": ".types", "MemoryStatus": ".types",
+    "ModelLike": ".types",
+    "KVBookkeeping": ".bookkeeping",
+    "cell_map_text": ".celltext", "cell_pos_text": ".celltext",
+    "KVTensors": ".tensors", "KVLayer": ".tensors",
+    "KShift": ".shift", "ShiftGraph": ".shift", "UpdateContext": ".shift",
+    "KVInputs": ".inputs",
+    "StateCodec": ".state_codec",
+    "KVCacheContext": ".context",
+    "KVCache": ".kvcache",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcache_ggml.cache' has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

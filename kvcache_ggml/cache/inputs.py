@@ -1,0 +1,196 @@
+"""The cache's inputs: the host tensors a graph reads (llama.cpp's ``set_input_*``), filled with numpy.
+
+:class:`KVInputs` computes every input from the bookkeeping (the cells of each stream) and a ubatch's slot: the K
+and V destination rows, the pending K-shift of every cell, the kq mask (kernels in :mod:`.masks`) and T5's
+relative position buckets.  Every ``set_input_*`` writes the data of a tensor in host memory exactly as the seed
+does, checking the tensor (type, shape for this ubatch, contiguity, host memory) before writing anything;
+:func:`host_array` makes those checks and returns the tensor's data as a numpy array.  Nothing loops in Python
+over tokens or cells: loops run over streams or over the distinct sequences of a ubatch.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import numpy as np
+
+from .. import _ggml as G
+from ..batch import UBatch
+from ..hparams import HParams, SwaType, llama_relative_position_bucket_np
+from .bookkeeping import KVBookkeeping
+from .masks import mask_decode_row, mask_group, token_groups
+from .types import SlotInfo
+
+__all__ = ["KVInputs", "host_array", "host_tensor"]
+
+_MASK_TYPES = (G.GGMLType.F32, G.GGMLType.F16)
+_NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i4", G.GGMLType.I64: "<i8"}
+_ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
+
+
+class _HostMemory:
+    """Host memory at an address, exposed to numpy through the array interface (no copy, no ownership)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr, "version": 3}
+
+
+def _buffer_desc(dst: Any) -> str:
+    buf = G.buffer(dst)
+    if not buf:
+        return "no buffer"
+    raw = G.ggml_backend_buffer_name(buf)
+    return f"buffer {raw.decode('utf-8', 'replace') if raw else '?'!r}"
+
+
+def host_array(dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int]) -> np.ndarray:
+    """The data of host tensor ``dst`` as a writable numpy array of shape ``reversed(ne)``.
+
+    ValueError, naming the tensor and its buffer, unless ``dst`` has one of ``types``, exactly ``ne`` elements per
+    dimension and a contiguous layout, and lives in host memory (a host buffer, or an allocating context).
+    Nothing is written.
+    """
+    tt, have, nb, buf, ptr = G.header(dst)  # one struct read: this runs for every input of every step
+    if tt not in types:
+        want = " or ".join(G.type_name(t) for t in types)
+        raise ValueError(f"tensor {G.name(dst)!r} is {G.type_name(tt)}, expected {want}")
+    if have != tuple(ne):
+        raise ValueError(f"tensor {G.name(dst)!r} has ne {have}, expected {tuple(ne)}")
+    # the input types are scalar (block size 1): contiguous means each stride is the previous row's bytes
+    if nb[0] != _ITEMSIZE[tt] or nb[1] != nb[0] * have[0] or nb[2] != nb[1] * have[1] or nb[3] != nb[2] * have[2]:
+        raise ValueError(f"tensor {G.name(dst)!r} is not contiguous (nb {nb}): the inputs are written densely")
+    if buf and not G.ggml_backend_buffer_is_host(buf):
+        raise ValueError(f"tensor {G.name(dst)!r} is in {_buffer_desc(dst)}, which is not a host buffer: "
+                         f"set_input_* writes host memory (allocate the inputs in a CPU buffer)")
+    if not ptr:
+        raise ValueError(f"tensor {G.name(dst)!r} ({_buffer_desc(dst)}) has no data: allocate it first")
+    return np.asarray(_HostMemory(ptr, (have[3], have[2], have[1], have[0]), _NP_TYPESTR[tt]))
+
+
+class KVInputs:
+    """``set_input_*`` of llama_kv_cache: K/V destination rows, K-shift, kq mask, relative position buckets."""
+
+    def __init__(self, book: KVBookkeeping, hparams: HParams, v_trans: bool) -> None:
+        self.book = book                              # the cells the inputs are computed from
+        self.hparams = hparams                        # ALiBi, relative buckets, V width
+        self.v_trans = bool(v_trans)                  # V stored transposed: one index per V element
+        self.kv_size = book.get_size()                # cells per stream
+        # offset of element j of a transposed V row in its stream: the per-step v_idxs input adds it to each cell
+        self._v_elem_offs = np.arange(hparams.n_embd_v_gqa_max(), dtype=np.int64) * self.kv_size
+
+    # ------------------------------------------------------------------ index inputs
+
+    def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
+        """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
+        self._check_slot(ubatch, sinfo)
+        out = host_array(dst, (G.GGMLType.I64,), (ubatch.n_tokens, 1, 1, 1)).reshape(-1)
+        np.copyto(out, self._token_cells(sinfo))
+
+    def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
+        """I64 [n_tokens] (V rows), or with a transposed V one row per element:
+        I64 [n_embd_v_gqa_max*n_tokens], element j of token i at ``strm*kv_size*n_embd + j*kv_size + idx``."""
+        self._check_slot(ubatch, sinfo)
+        n_tokens = ubatch.n_tokens
+        if not self.v_trans:
+            out = host_array(dst, (G.GGMLType.I64,), (n_tokens, 1, 1, 1)).reshape(-1)
+            np.copyto(out, self._token_cells(sinfo))
+            return
+        elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
+        n_embd = elem.shape[0]
+        out = host_array(dst, (G.GGMLType.I64,), (n_tokens * n_embd, 1, 1, 1)).reshape(n_tokens, n_embd)
+        base = self._token_cells(sinfo, stream_stride=self.kv_size * n_embd)  # [n_tokens]
+        np.add(base[:, None], elem, out=out)
+
+    def set_input_k_shift(self, dst: Any) -> None:
+        """I32 [kv_size*n_stream]: the pending shift of every cell, 0 for empty cells."""
+        ns = self.book.n_stream
+        out = host_array(dst, (G.GGMLType.I32,), (self.kv_size * ns, 1, 1, 1)).reshape(ns, -1)
+        for s, cells in enumerate(self.book.v_cells):
+            np.copyto(out[s], cells.shift_array)
+            out[s][cells.pos_array < 0] = 0
+
+    def k_shift(self) -> np.ndarray:
+        """int32 [n_stream*kv_size]: what set_input_k_shift writes."""
+        with host_tensor(G.GGMLType.I32, (self.kv_size * self.book.n_stream,), "k_shift") as t:
+            self.set_input_k_shift(t)
+            return G.to_numpy(t, copy=True)
+
+    # ------------------------------------------------------------------ kq mask
+
+    def set_input_kq_mask(self, dst: Any, ubatch: UBatch, causal_attn: bool = True) -> None:
+        """F32 or F16 [n_kv, n_tps, 1, n_stream]: 0 (or the ALiBi bias -|p0 - p1|) where token i may attend
+        cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
+        n_tokens = ubatch.n_tokens
+        n_kv, _, _, ns = G.ne(dst)
+        if ns < 1 or n_tokens % ns:
+            raise ValueError(f"kq mask {G.name(dst)!r}: ne[3] = {ns} streams do not split the ubatch's "
+                             f"{n_tokens} tokens evenly")
+        if n_kv > self.kv_size:
+            raise ValueError(f"kq mask {G.name(dst)!r}: n_kv = ne[0] = {n_kv} exceeds the cache size "
+                             f"{self.kv_size}")
+        out = host_array(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns))
+        if out.size == 0:
+            return
+        rows = out.reshape(n_tokens, n_kv)  # row i = token i (stream s, token ii of it: i = s*n_tps + ii)
+        book, alibi = self.book, bool(self.hparams.use_alibi)
+        stream_of = book.stream_of
+        if n_tokens == 1 and book.swa_type == SwaType.NONE and not alibi and not ubatch.is_pos_2d():
+            seq_id = int(ubatch.seq_id[0, 0])
+            mask_decode_row(rows[0], book.v_cells[stream_of[seq_id]], seq_id, int(ubatch.pos[0]), bool(causal_attn))
+            return
+        for seq_id, tok in token_groups(ubatch.seq_id[:, 0]):
+            mask_group(rows, tok, book.v_cells[stream_of[seq_id]], seq_id, ubatch, bool(causal_attn), book.n_swa,
+                       book.swa_type, alibi)
+
+    # ------------------------------------------------------------------ relative position buckets
+
+    def set_input_pos_bucket(self, dst: Any, ubatch: UBatch) -> None:
+        """I32 [n_kv, n_tokens]: T5's bucket of each (cell, token) pair; -1 stands for an empty cell's position."""
+        if self.book.n_stream != 1:
+            raise ValueError(f"set_input_pos_bucket() supports a unified cache (one stream), this one has "
+                             f"{self.book.n_stream}")
+        if ubatch.equal_seqs():
+            raise ValueError("set_input_pos_bucket() does not take ubatches of equal sequence sets (split_equal, "
+                             "split_seq), as llama.cpp: split with split_simple")
+        n_tokens = ubatch.n_tokens
+        n_kv = G.ne(dst)[0]
+        if n_kv > self.kv_size:
+            raise ValueError(f"pos bucket {G.name(dst)!r}: n_kv = ne[0] = {n_kv} exceeds the cache size "
+                             f"{self.kv_size}")
+        out = host_array(dst, (G.GGMLType.I32,), (n_kv, n_tokens, 1, 1)).reshape(n_tokens, n_kv)
+        p0 = self.book.v_cells[0].pos_array[:n_kv]  # empty cells hold -1, the position the seed uses for them
+        buckets = llama_relative_position_bucket_np(p0[None, :], ubatch.pos[:n_tokens, None],
+                                                    self.hparams.n_rel_attn_bkts, False)
+        np.copyto(out, buckets)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_slot(self, ubatch: UBatch, sinfo: SlotInfo) -> None:
+        n = sinfo.size() * sinfo.n_stream() if not sinfo.empty() else 0
+        if ubatch.n_tokens != n:
+            raise RuntimeError(f"ubatch of {ubatch.n_tokens} tokens does not match its slot of "
+                               f"{sinfo.n_stream()} streams x {sinfo.size() if n else 0} cells")
+
+    def _token_cells(self, sinfo: SlotInfo, stream_stride: int | None = None) -> np.ndarray:
+        """int64 [n_tokens]: ``strm*stream_stride + cell`` of each token (stride kv_size by default)."""
+        stride = self.kv_size if stream_stride is None else stream_stride
+        if len(sinfo.idxs) == 1:
+            return sinfo.idxs[0] + sinfo.strm[0] * stride
+        return np.concatenate([idx + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)])
+
+
+@contextlib.contextmanager
+def host_tensor(type_: G.GGMLType, ne: tuple[int, ...], name: str) -> Iterator[Any]:
+    """A tensor of ``ne`` in a fresh CPU buffer, freed with its context on exit."""
+    ctx = G.Context.for_tensors(1)
+    try:
+        t = ctx.new_tensor(type_, ne, name)
+        buf = G.BackendBuffer.for_context(ctx, G.cpu_buffer_type())
+        try:
+            yield t
+        finally:
+            buf.close()
+    finally:
+        ctx.close()

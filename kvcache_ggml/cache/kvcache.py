@@ -1,0 +1,326 @@
+"""llama.cpp's ``llama_kv_cache``: the facade over the cache's four parts.
+
+:class:`KVCache` has every public method of the seed, with its name and signature, and delegates each to the part
+that owns the state it touches:
+
+* :class:`~.bookkeeping.KVBookkeeping` (``book``) -- cells, heads, sequence-to-stream map, queued stream copies,
+  every ``seq_*`` operation, slot search and placement (no ggml);
+* :class:`~.tensors.KVTensors` (``tensors``) -- the K/V tensors and the buffers holding them (the one owner of the
+  cache's native handles), their views and stores, stream copies; :class:`~.shift.KShift` (``kshift``) builds and
+  runs the K-shift graph over them;
+* :class:`~.inputs.KVInputs` (``inputs``) -- the graph inputs computed from the cells and a slot;
+* :class:`~.state_codec.StateCodec` (``codec``) -- save and restore, byte-compatible with llama.cpp.
+
+The facade itself orchestrates what spans parts: ``clear`` (cells and data), ``init_batch`` (split, then slots),
+``update`` (stream copies, then the K-shift with its input from the cells).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from .. import _ggml as G
+from ..batch import BatchAllocator, UBatch
+from ..cells import KVCells
+from ..hparams import HParams, RopeType, SwaType
+from .bookkeeping import KVBookkeeping
+from .context import KVCacheContext
+from .inputs import KVInputs
+from .shift import KShift, ShiftGraph, UpdateContext
+from .state_codec import StateCodec
+from .state_io import StateReader, StateWriter
+from .tensors import KVLayer, KVTensors
+from .types import KVCacheParams, MemoryStatus, ModelLike, SlotInfo, StreamCopyInfo
+
+__all__ = ["KVCache"]
+
+log = logging.getLogger("kvcache_ggml.cache")
+
+
+class KVCache:
+    """llama.cpp's ``llama_kv_cache``: cells and heads per stream, K/V tensors per layer."""
+
+    def __init__(self, model: ModelLike, params: KVCacheParams | None = None, **kwargs: Any) -> None:
+        if params is None:
+            params = KVCacheParams(**kwargs)
+        elif kwargs:
+            raise TypeError(f"pass either params or keyword arguments, not both: {sorted(kwargs)}")
+        params.validate()
+        self.model = model                                   # hparams, and dev_layer() with offload
+        self.hparams: HParams = model.hparams                # the model's shapes
+        self.params = params                                 # the constructor's arguments
+        self.book = KVBookkeeping(params, self.hparams.n_pos_per_embd())
+        self.tensors = KVTensors(model, params)               # allocates: every check above came first
+        self.kshift = KShift(self.tensors)
+        self.inputs = KVInputs(self.book, self.hparams, params.v_trans)
+        self.codec = StateCodec(self.book, self.tensors)
+
+    # ================================================================== parts' state, read-only views
+
+    @property
+    def v_cells(self) -> list[KVCells]:
+        """The cells of each stream."""
+        return self.book.v_cells
+
+    @property
+    def v_heads(self) -> list[int]:
+        """Where the next slot search of each stream starts."""
+        return self.book.v_heads
+
+    @property
+    def seq_to_stream(self) -> Any:
+        """int32 [LLAMA_MAX_SEQ]: the stream of each sequence."""
+        return self.book.seq_to_stream
+
+    @property
+    def sc_info(self) -> StreamCopyInfo:
+        """Stream copies queued for the next update."""
+        return self.book.sc_info
+
+    @property
+    def n_stream(self) -> int:
+        return self.book.n_stream
+
+    @property
+    def n_seq_max(self) -> int:
+        return self.book.n_seq_max
+
+    @property
+    def n_pad(self) -> int:
+        return self.book.n_pad
+
+    @property
+    def n_swa(self) -> int:
+        return self.book.n_swa
+
+    @property
+    def swa_type(self) -> SwaType:
+        return self.book.swa_type
+
+    @property
+    def v_trans(self) -> bool:
+        return self.tensors.v_trans
+
+    @property
+    def type_k(self) -> int:
+        return self.tensors.type_k
+
+    @property
+    def type_v(self) -> int:
+        return self.tensors.type_v
+
+    @property
+    def layers(self) -> list[KVLayer]:
+        """The tensors of each kept layer."""
+        return self.tensors.layers
+
+    @property
+    def map_layer_ids(self) -> dict[int, int]:
+        """Model layer -> index in ``layers``."""
+        return self.tensors.map_layer_ids
+
+    # ================================================================== memory API
+
+    def clear(self, data: bool = True) -> None:
+        self.book.clear()
+        if data:
+            self.tensors.clear_data()
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return self.book.seq_rm(seq_id, p0, p1)
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.book.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self.book.seq_keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        self.book.seq_add(seq_id, p0, p1, shift)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        self.book.seq_div(seq_id, p0, p1, d)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return self.book.seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.book.seq_pos_max(seq_id)
+
+    def get_size(self) -> int:
+        return self.book.get_size()
+
+    def get_n_stream(self) -> int:
+        return self.book.n_stream
+
+    def get_has_shift(self) -> bool:
+        return self.book.get_has_shift()
+
+    def get_can_shift(self) -> bool:
+        return self.book.get_can_shift()
+
+    def get_n_kv(self, sinfo: SlotInfo) -> int:
+        return self.book.get_n_kv(sinfo)
+
+    def total_size(self) -> int:
+        return self.tensors.total_size()
+
+    def size_k_bytes(self) -> int:
+        return self.tensors.size_k_bytes()
+
+    def size_v_bytes(self) -> int:
+        return self.tensors.size_v_bytes()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        return self.tensors.memory_breakdown()
+
+    def buffers(self) -> list[Any]:
+        return self.tensors.buffers()
+
+    # ================================================================== preparation API
+
+    def init_batch(self, balloc: BatchAllocator, n_ubatch: int, embd_all: bool = False) -> KVCacheContext:
+        """Split the allocator's batch into ubatches and find a slot for each, without changing the cells."""
+        del embd_all
+        ubatches = self.book.split(balloc, n_ubatch)
+        if ubatches is None:
+            return KVCacheContext(self, status=MemoryStatus.FAILED_PREPARE)
+        sinfos = self.book.prepare(ubatches)
+        if not sinfos:
+            return KVCacheContext(self, status=MemoryStatus.FAILED_PREPARE)
+        return KVCacheContext(self, sinfos=sinfos, ubatches=ubatches)
+
+    def init_full(self) -> KVCacheContext:
+        """A context over the whole cache, to reserve graphs."""
+        return KVCacheContext.full(self)
+
+    def init_update(self, lctx: UpdateContext | None = None, optimize: bool = False) -> KVCacheContext:
+        """A context that applies the queued stream copies and the pending K-shift when applied."""
+        del optimize
+        return KVCacheContext.update_ctx(self, lctx, self.get_has_shift(), self.book.take_stream_copies())
+
+    def prepare(self, ubatches: Sequence[UBatch]) -> list[SlotInfo]:
+        return self.book.prepare(ubatches)
+
+    def find_slot(self, ubatch: UBatch, cont: bool = False) -> SlotInfo:
+        return self.book.find_slot(ubatch, cont)
+
+    def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
+        self.book.apply_ubatch(sinfo, ubatch)
+
+    def update(self, lctx: UpdateContext | None, do_shift: bool, sc_info: StreamCopyInfo) -> bool:
+        """Queued stream copies, then the pending K-shift; True when a K-shift graph was computed.
+
+        ``lctx`` None: the K-shift runs on a temporary scheduler over the cache's devices, freed before
+        returning.  A failed K-shift computation is logged and returns False with the shifts kept (as the seed);
+        a graph that cannot be allocated raises RuntimeError.
+        """
+        rope = do_shift and self.hparams.rope_type != RopeType.NONE
+        if (not sc_info.empty() or rope) and self.hparams.no_alloc:
+            raise RuntimeError("update() moves K/V data, but this cache was created with hparams.no_alloc "
+                               "(its tensors have no memory)")
+        if rope:
+            self.kshift.check(lctx)  # before the copies: a refused update changes nothing
+        if not sc_info.empty():
+            assert self.n_stream > 1, "stream copy should never happen with a single stream"
+            if lctx is not None:
+                G.ggml_backend_sched_synchronize(lctx.sched.ptr)  # no graph may still be writing the cache
+            self.tensors.copy_streams(sc_info)
+        if not do_shift:
+            return False
+        if not self.get_can_shift():
+            raise ValueError("the current KV cache / model configuration does not support K-shift")
+        log.debug("applying K-shift")
+        if rope:
+            if lctx is None:
+                with UpdateContext.for_cache(self) as tmp:
+                    ok = self.kshift.compute(tmp, self.inputs.set_input_k_shift)
+            else:
+                ok = self.kshift.compute(lctx, self.inputs.set_input_k_shift)
+            if not ok:
+                return False
+        self.book.reset_shift()
+        return rope
+
+    # ================================================================== graph_build API
+
+    def get_k(self, ctx: Any, il: int, n_kv: int, sinfo: SlotInfo) -> Any:
+        return self.tensors.get_k(ctx, il, n_kv, sinfo)
+
+    def get_v(self, ctx: Any, il: int, n_kv: int, sinfo: SlotInfo) -> Any:
+        return self.tensors.get_v(ctx, il, n_kv, sinfo)
+
+    def cpy_k(self, ctx: Any, k_cur: Any, k_idxs: Any, il: int, sinfo: SlotInfo | None = None) -> Any:
+        return self.tensors.cpy_k(ctx, k_cur, k_idxs, il, sinfo)
+
+    def cpy_v(self, ctx: Any, v_cur: Any, v_idxs: Any, il: int, sinfo: SlotInfo | None = None) -> Any:
+        return self.tensors.cpy_v(ctx, v_cur, v_idxs, il, sinfo)
+
+    def build_input_k_idxs(self, ctx: Any, ubatch: UBatch) -> Any:
+        return self.tensors.build_input_k_idxs(ctx, ubatch)
+
+    def build_input_v_idxs(self, ctx: Any, ubatch: UBatch) -> Any:
+        return self.tensors.build_input_v_idxs(ctx, ubatch)
+
+    def build_rope_shift(self, cparams: Any, ctx: Any, cur: Any, shift: Any, factors: Any, freq_base: float,
+                         freq_scale: float) -> Any:
+        return self.kshift.build_rope_shift(cparams, ctx, cur, shift, factors, freq_base, freq_scale)
+
+    def build_graph_shift(self, ctx: Any, lctx: UpdateContext) -> ShiftGraph:
+        return self.kshift.build_graph(ctx, lctx)
+
+    def shift_graph_size(self) -> int:
+        return self.kshift.graph_size()
+
+    def shift_context(self) -> Any:
+        return self.kshift.context()
+
+    # ================================================================== input API
+
+    def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
+        self.inputs.set_input_k_idxs(dst, ubatch, sinfo)
+
+    def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
+        self.inputs.set_input_v_idxs(dst, ubatch, sinfo)
+
+    def set_input_k_shift(self, dst: Any) -> None:
+        self.inputs.set_input_k_shift(dst)
+
+    def set_input_kq_mask(self, dst: Any, ubatch: UBatch, causal_attn: bool = True) -> None:
+        self.inputs.set_input_kq_mask(dst, ubatch, causal_attn)
+
+    def set_input_pos_bucket(self, dst: Any, ubatch: UBatch) -> None:
+        self.inputs.set_input_pos_bucket(dst, ubatch)
+
+    def k_shift(self) -> Any:
+        """int32 [n_stream*kv_size]: what set_input_k_shift writes."""
+        return self.inputs.k_shift()
+
+    # ================================================================== state API
+
+    def state_write(self, io: StateWriter, seq_id: int = -1, flags: int = 0) -> int:
+        return self.codec.state_write(io, seq_id, flags)
+
+    def state_read(self, io: StateReader, seq_id: int = -1, flags: int = 0) -> int:
+        return self.codec.state_read(io, seq_id, flags)
+
+    def state_size(self, seq_id: int = -1) -> int:
+        return self.codec.state_size(seq_id)
+
+    def state_save(self, seq_id: int = -1) -> bytes:
+        return self.codec.state_save(seq_id)
+
+    def state_load(self, data: Any, seq_id: int = -1) -> int:
+        return self.codec.state_load(data, seq_id)
+
+    # ================================================================== ownership
+
+    def close(self) -> None:
+        """Free the buffers and contexts (idempotent). The cache is unusable afterwards."""
+        self.tensors.close()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

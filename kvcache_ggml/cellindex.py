@@ -1,0 +1,226 @@
+"""The two derived indices of a stream's cells (no ggml): the used range and the per-sequence position multisets.
+
+:class:`UsedRange` is llama.cpp's ``used`` set reduced to what the cache asks of it: how many cells are used and
+the first and last of them.  :class:`PosMultiset` is llama.cpp's per-sequence ``std::map<llama_pos, int>``.
+:class:`~kvcache_ggml.cells.KVCells` keeps both in sync with its arrays.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import numpy as np
+
+__all__ = ["PosMultiset", "UsedRange", "sorted_counts"]
+
+
+class PosMultiset:
+    """Sorted multiset of positions (llama.cpp's ``std::map<llama_pos, int>``) as two Python lists.
+
+    Appending past the maximum and removing the maximum -- the decode pattern -- are O(1).
+    """
+
+    __slots__ = ("keys", "counts")
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []    # distinct positions, ascending
+        self.counts: list[int] = []  # how many cells hold keys[k]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def inc(self, p: int) -> None:
+        keys = self.keys
+        if not keys or p > keys[-1]:
+            keys.append(p)
+            self.counts.append(1)
+            return
+        k = bisect_left(keys, p)
+        if k < len(keys) and keys[k] == p:
+            self.counts[k] += 1
+        else:
+            keys.insert(k, p)
+            self.counts.insert(k, 1)
+
+    def count_in(self, p0: int, p1: int, limit: int) -> int:
+        """Cells holding a position in [p0, p1); any value above ``limit`` is reported as ``limit + 1``."""
+        keys, counts = self.keys, self.counts
+        a = bisect_left(keys, p0)
+        b = bisect_left(keys, p1, a)
+        if b - a > limit:
+            return limit + 1
+        return sum(counts[a:b])
+
+    def dec(self, p: int) -> None:
+        keys = self.keys
+        k = len(keys) - 1 if keys and keys[-1] == p else bisect_left(keys, p)
+        assert k < len(keys) and keys[k] == p, f"position {p} is not in the multiset"
+        self.counts[k] -= 1
+        if self.counts[k] == 0:
+            del keys[k]
+            del self.counts[k]
+
+    def check(self, held: np.ndarray, where: str) -> list[str]:
+        """Disagreements with ``held``, the positions of the cells that hold the sequence (with repeats)."""
+        errs = []
+        malformed = len(self.keys) != len(self.counts) or self.keys != sorted(set(self.keys))
+        if malformed or min(self.counts, default=1) <= 0:
+            errs.append(f"{where} multiset is malformed (keys {self.keys[:8]}..., counts {self.counts[:8]}...)")
+        want_k, want_c = sorted_counts(held)
+        have = dict(zip(self.keys, self.counts))
+        want = dict(zip(want_k.tolist(), want_c.tolist()))
+        if have != want:
+            diff = sorted(set(have) ^ set(want) | {p for p in have if have[p] != want.get(p)})[:8]
+            errs.append(f"{where} multiset {{pos: count}} disagrees with its cells at positions {diff} (multiset "
+                        f"{[have.get(p, 0) for p in diff]}, cells {[want.get(p, 0) for p in diff]})")
+        return errs
+
+    def update(self, ps: np.ndarray, sign: int) -> None:
+        """Add (sign=+1) or remove (sign=-1) every position of ``ps``, with multiplicity."""
+        if ps.size <= 8:
+            f = self.inc if sign > 0 else self.dec
+            for p in ps.tolist():
+                f(p)
+            return
+        u, c = sorted_counts(ps)
+        if not self.keys:
+            assert sign > 0, "removing positions from an empty multiset"
+            self.keys, self.counts = u.tolist(), c.tolist()
+            return
+        keys = np.array(self.keys, dtype=np.int64)
+        counts = np.array(self.counts, dtype=np.int64)
+        k = np.searchsorted(keys, u)
+        hit = k < keys.size
+        hit[hit] = keys[k[hit]] == u[hit]
+        if hit.all():  # no new position: adjust counts in place (every removal takes this path)
+            counts[k] += sign * c
+            assert (counts >= 0).all(), "removing positions that are not in the multiset"
+            keep = counts > 0
+            if keep.all():
+                self.counts = counts.tolist()
+            else:
+                self.keys, self.counts = keys[keep].tolist(), counts[keep].tolist()
+            return
+        assert sign > 0, "removing positions that are not in the multiset"
+        counts[k[hit]] += c[hit]
+        merged = np.concatenate([keys, u[~hit]])
+        order = np.argsort(merged, kind="stable")
+        self.keys = merged[order].tolist()
+        self.counts = np.concatenate([counts, c[~hit]])[order].tolist()
+
+
+def sorted_counts(ps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values of ``ps`` ascending, and how often each occurs (np.unique without its overhead)."""
+    s = np.sort(ps.astype(np.int64, copy=False))
+    if s.size == 0:
+        return s, s
+    start = np.empty(s.size, bool)
+    start[0] = True
+    np.not_equal(s[1:], s[:-1], out=start[1:])
+    first = start.nonzero()[0]
+    return s[first], np.diff(np.append(first, s.size))
+
+
+class UsedRange:
+    """Count and bounds of the used (non-empty) cells of a stream.
+
+    The bounds are exact, or -- after the first or last used cell was freed -- "dirty": an enclosure of every used
+    cell that :meth:`first`/:meth:`end` shrink lazily with a chunked scan of the positions.
+    """
+
+    __slots__ = ("n", "lo", "hi", "lo_dirty", "hi_dirty")
+
+    def __init__(self) -> None:
+        self.n = 0                 # number of used cells
+        self.lo = 0                # first used cell (a lower bound of it while lo_dirty)
+        self.hi = 0                # last used cell + 1 (an upper bound while hi_dirty)
+        self.lo_dirty = False      # the first used cell was freed: re-scan lazily
+        self.hi_dirty = False      # the last used cell was freed: re-scan lazily
+
+    def reset(self) -> None:
+        self.n = self.lo = self.hi = 0
+        self.lo_dirty = self.hi_dirty = False
+
+    def rebuild(self, used: np.ndarray) -> None:
+        """Exact values from the ascending indices of every used cell."""
+        self.n = used.size
+        self.lo, self.hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
+        self.lo_dirty = self.hi_dirty = False
+
+    def check(self, used: np.ndarray, pos: np.ndarray, where: str) -> list[str]:
+        """Disagreements with ``used``, the ascending indices of the non-empty cells of ``pos``."""
+        lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
+        errs = []
+        if self.n != used.size:
+            errs.append(f"{where}: used count {self.n} != {used.size} non-empty cells")
+        if used.size:
+            # a stale (dirty) bound only has to enclose the used cells; a clean one must be exact
+            if self.lo > lo or (not self.lo_dirty and self.lo != lo):
+                errs.append(f"{where}: stored used_min {self.lo} (stale: {self.lo_dirty}), first used cell {lo}")
+            if self.hi < hi or (not self.hi_dirty and self.hi != hi):
+                errs.append(f"{where}: stored used_max_p1 {self.hi} (stale: {self.hi_dirty}), last used cell + 1 = "
+                            f"{hi}")
+        first = self.first(pos) if self.lo_dirty else self.lo
+        end = self.end(pos) if self.hi_dirty else self.hi
+        if first != lo:
+            errs.append(f"{where}: used_min() = {first}, first used cell is {lo}")
+        if end != hi:
+            errs.append(f"{where}: used_max_p1() = {end}, last used cell + 1 is {hi}")
+        return errs
+
+    def insert(self, idxs: np.ndarray) -> None:
+        """The (previously empty) cells ``idxs`` became used."""
+        if idxs.size == 1:
+            lo = int(idxs[0])
+            hi = lo + 1
+        else:
+            lo, hi = int(idxs.min()), int(idxs.max()) + 1
+        if self.n == 0:
+            self.lo, self.hi = lo, hi
+            self.lo_dirty = self.hi_dirty = False
+        else:
+            # exact bounds stay exact; stale (dirty) bounds stay an enclosure of every used cell
+            self.lo = min(self.lo, lo)
+            self.hi = max(self.hi, hi)
+        self.n += idxs.size
+
+    def erase(self, idxs: np.ndarray) -> None:
+        """The (previously used) cells ``idxs`` became empty."""
+        self.n -= idxs.size
+        assert self.n >= 0
+        if self.n == 0:
+            self.reset()
+            return
+        lo, hi = (int(idxs[0]), int(idxs[0]) + 1) if idxs.size == 1 else (int(idxs.min()), int(idxs.max()) + 1)
+        if lo <= self.lo:
+            self.lo_dirty = True
+        if hi >= self.hi:
+            self.hi_dirty = True
+
+    def end(self, pos: np.ndarray) -> int:
+        """The last used cell + 1, shrinking a dirty bound (backward scan of ``pos`` in growing chunks)."""
+        hi, step = self.hi, 64
+        if hi > 1 and pos[hi - 2] >= 0 and pos[hi - 1] < 0:  # the last cell was freed, the one before is used
+            hi -= 1
+        else:
+            while hi > 0:
+                lo = max(0, hi - step)
+                nz = (pos[lo:hi] >= 0).nonzero()[0]
+                if nz.size:
+                    hi = lo + int(nz[-1]) + 1
+                    break
+                hi, step = lo, step * 4
+        self.hi, self.hi_dirty = hi, False
+        return hi
+
+    def first(self, pos: np.ndarray) -> int:
+        """The first used cell, raising a dirty bound (forward scan of ``pos`` in growing chunks)."""
+        lo, step, n = self.lo, 64, pos.shape[0]
+        while lo < n:
+            up = min(n, lo + step)
+            nz = (pos[lo:up] >= 0).nonzero()[0]
+            if nz.size:
+                lo += int(nz[0])
+                break
+            lo, step = up, step * 4
+        self.lo, self.lo_dirty = lo, False
+        return lo
