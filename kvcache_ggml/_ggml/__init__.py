@@ -14,9 +14,9 @@ from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML
                      GGML_OP_COUNT, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_NEOX,
                      GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, DeviceType, GGMLOp, GGMLType,
                      Status, blck_size, is_quantized, op_name, parse_type, row_size, type_name, type_names, type_size)
-from ._tensor import (addr, buffer, data_ptr, from_numpy, handle, header, is_contiguous, is_host, name, nb, nbytes, ne, nelements,
-                      new_tensor, np_dtype, np_shape, op, set_buffer, set_name, set_tensor, src, to_numpy, ttype,
-                      view_offs, view_src)
+from ._tensor import (addr, buffer, data_ptr, from_numpy, handle, header, host_bytes, is_contiguous, is_host, name, nb,
+                      nbytes, ne, nelements, new_bytes, new_tensor, np_dtype, np_shape, op, set_buffer, set_name,
+                      set_tensor, src, to_numpy, ttype, view_offs, view_src)
 from ._owners import (TENSOR_ALIGNMENT, Backend, BackendBuffer, Context, Graph, Sched, aligned_zeros, buft_name,
                       cpu_buffer_type, dev_memory)
 from ._devices import (Device, commit, device, devices, registries, rpc_add_server, rpc_available,
@@ -31,8 +31,8 @@ __all__ = sorted(FUNCTIONS) + [
     "GGML_ROPE_TYPE_IMROPE", "GGML_ROPE_TYPE_MROPE", "GGML_ROPE_TYPE_NEOX", "GGML_ROPE_TYPE_NORMAL",
     "GGML_ROPE_TYPE_VISION", "GGML_TYPE_COUNT", "DeviceType", "GGMLOp", "GGMLType", "Status", "blck_size",
     "is_quantized", "op_name", "parse_type", "row_size", "type_name", "type_names", "type_size",
-    "addr", "buffer", "data_ptr", "from_numpy", "handle", "header", "is_contiguous", "is_host", "name", "nb", "nbytes", "ne", "nelements",
-    "new_tensor", "np_dtype", "np_shape", "op", "set_buffer", "set_name", "set_tensor", "src", "to_numpy", "ttype",
+    "addr", "buffer", "data_ptr", "from_numpy", "handle", "header", "host_bytes", "is_contiguous", "is_host", "name", "nb", "nbytes", "ne", "nelements",
+    "new_bytes", "new_tensor", "np_dtype", "np_shape", "op", "set_buffer", "set_name", "set_tensor", "src", "to_numpy", "ttype",
     "view_offs", "view_src",
     "TENSOR_ALIGNMENT", "Backend", "BackendBuffer", "Context", "Graph", "Sched", "aligned_zeros", "buft_name",
     "cpu_buffer_type", "dev_memory",

@@ -195,6 +195,32 @@ def to_numpy(t: TensorP, copy: bool = False, ndim: int | None = None) -> np.ndar
     return np.ndarray(shape, dtype, buffer=raw_copy, strides=strides).copy()
 
 
+def host_bytes(t: TensorP, offset: int, size: int) -> np.ndarray | None:
+    """Bytes ``[offset, offset + size)`` of a host tensor's data as a writable uint8 view (None for a device
+    buffer): no copy, valid while the tensor's buffer lives."""
+    if not is_host(t):
+        return None
+    return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(data_ptr(t) + offset))
+
+
+_PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
+_PyBytes_FromStringAndSize.restype = ctypes.py_object
+_PyBytes_FromStringAndSize.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+
+
+def new_bytes(n: int) -> tuple[bytes, np.ndarray]:
+    """A new ``bytes`` of ``n`` (>= 2) bytes and a writable view of its memory, to fill before anyone sees it.
+
+    (CPython: ``PyBytes_FromStringAndSize(NULL, n)`` -- the C API's way to build a bytes object in place; sizes 0
+    and 1 would return shared singletons.)
+    """
+    if n < 2:
+        raise ValueError(f"new_bytes() needs n >= 2, got {n}")
+    out = _PyBytes_FromStringAndSize(None, n)
+    ptr = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value
+    return out, np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
+
+
 def _checked_array(t: TensorP, array: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
     dtype, shape, _, _ = _layout(t, None)
     a = np.asarray(array)

@@ -26,7 +26,6 @@ state with cells in two streams, and bytes after the state in :meth:`StateCodec.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Any, Iterable
 
 import numpy as np
@@ -134,7 +133,7 @@ class StateCodec:
             small = BytesWriter()
             self.state_write(small, seq_id)
             return small.getvalue()
-        out, view = _new_bytes(n)
+        out, view = G.new_bytes(n)
         w = BufferWriter(view)
         self.state_write(w, seq_id)
         if w.n_bytes() != n:
@@ -316,7 +315,7 @@ def _host_view(t: Any, nbytes: int) -> np.ndarray | None:
     """The first ``nbytes`` of ``t`` as a writable uint8 array over its memory, or None for a device buffer."""
     if not _is_host(t):
         return None
-    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(G.data_ptr(t)))
+    return G.host_bytes(t, 0, nbytes)
 
 
 def _write_cells(io: StateWriter, t: Any, idxs: np.ndarray, runs: tuple, unit: int, n_rows: int, kv: int) -> None:
@@ -378,20 +377,3 @@ def _read_cells(src: np.ndarray, t: Any, idxs: np.ndarray, runs: tuple, unit: in
         dst3[:, idxs, :] = src3
     if not host:
         G.ggml_backend_tensor_set(t, dst.ctypes.data, 0, span)
-
-
-def _new_bytes(n: int) -> tuple[bytes, np.ndarray]:
-    """A new ``bytes`` of ``n`` (>= 2) bytes and a writable view of its memory, to fill before anyone sees it.
-
-    (CPython: ``PyBytes_FromStringAndSize(NULL, n)`` -- the C API's way to build a bytes object in place; sizes 0
-    and 1 would return shared singletons.)
-    """
-    assert n >= 2
-    out = _PyBytes_FromStringAndSize(None, n)
-    ptr = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value
-    return out, np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
-
-
-_PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
-_PyBytes_FromStringAndSize.restype = ctypes.py_object
-_PyBytes_FromStringAndSize.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)

@@ -7,7 +7,6 @@ buffer, :class:`StreamWriter`/:class:`FileWriter` to files) and readers (:class:
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import Any, BinaryIO
 
@@ -163,7 +162,7 @@ class StreamWriter(StateWriter):
     def write_tensor(self, t: Any, offset: int, size: int) -> None:
         if size and G.is_host(t):
             self._push()
-            self.f.write((ctypes.c_char * size).from_address(G.data_ptr(t) + offset))
+            self.f.write(G.host_bytes(t, offset, size))
             self._n += size
             return
         super().write_tensor(t, offset, size)
