@@ -19,8 +19,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+import numpy as np
+
 from .. import _ggml as G
 from ..batch import BatchAllocator, UBatch
+from ..cparams import CParams
 from ..cells import KVCells
 from ..hparams import HParams, RopeType, SwaType
 from .bookkeeping import KVBookkeeping
@@ -68,7 +71,7 @@ class KVCache:
         return self.book.v_heads
 
     @property
-    def seq_to_stream(self) -> Any:
+    def seq_to_stream(self) -> np.ndarray:
         """int32 [LLAMA_MAX_SEQ]: the stream of each sequence."""
         return self.book.seq_to_stream
 
@@ -174,7 +177,7 @@ class KVCache:
     def memory_breakdown(self) -> dict[str, int]:
         return self.tensors.memory_breakdown()
 
-    def buffers(self) -> list[Any]:
+    def buffers(self) -> list[G.BackendBuffer]:
         return self.tensors.buffers()
 
     # ================================================================== preparation API
@@ -262,7 +265,7 @@ class KVCache:
     def build_input_v_idxs(self, ctx: Any, ubatch: UBatch) -> Any:
         return self.tensors.build_input_v_idxs(ctx, ubatch)
 
-    def build_rope_shift(self, cparams: Any, ctx: Any, cur: Any, shift: Any, factors: Any, freq_base: float,
+    def build_rope_shift(self, cparams: CParams, ctx: Any, cur: Any, shift: Any, factors: Any, freq_base: float,
                          freq_scale: float) -> Any:
         return self.kshift.build_rope_shift(cparams, ctx, cur, shift, factors, freq_base, freq_scale)
 
@@ -272,7 +275,7 @@ class KVCache:
     def shift_graph_size(self) -> int:
         return self.kshift.graph_size()
 
-    def shift_context(self) -> Any:
+    def shift_context(self) -> G.Context:
         return self.kshift.context()
 
     # ================================================================== input API
@@ -292,7 +295,7 @@ class KVCache:
     def set_input_pos_bucket(self, dst: Any, ubatch: UBatch) -> None:
         self.inputs.set_input_pos_bucket(dst, ubatch)
 
-    def k_shift(self) -> Any:
+    def k_shift(self) -> np.ndarray:
         """int32 [n_stream*kv_size]: what set_input_k_shift writes."""
         return self.inputs.k_shift()
 
