@@ -428,22 +428,7 @@ def _as_f32(t: Any) -> np.ndarray:
         return G.to_numpy(t, copy=True).astype(np.float32)
     if tt == G.GGMLType.BF16:
         return (G.to_numpy(t, copy=True).astype(np.uint32) << 16).view(np.float32)
-    return _dequantize(t)
-
-
-def _dequantize(t: Any) -> np.ndarray:
-    """Quantized tensor t as float32, through a ggml_cast graph on the CPU backend."""
-    raw = G.to_numpy(t, copy=True)
-    ne = G.ne(t)
-    with G.Context.for_tensors(4, graph_size=8) as ctx, G.Backend.cpu() as backend:
-        src = ctx.new_tensor(G.ttype(t), ne, "q")
-        out = G.ggml_cast(ctx.ptr, src, G.GGMLType.F32)
-        with G.BackendBuffer.for_context(ctx, G.cpu_buffer_type()):
-            G.set_tensor(src, raw)
-            graph = G.Graph(ctx, 8)
-            graph.expand(out)
-            backend.compute(graph)
-            return G.to_numpy(out, copy=True)
+    return G.dequantize(G.to_numpy(t, copy=True), tt)
 
 
 def plot_kv_norms(kv: Any, *, mask_empty: bool = True, title: str | None = None):

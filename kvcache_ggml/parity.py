@@ -241,26 +241,10 @@ def _attention(ctx: G.Context, mctx: Any, kv: KVCache, il: int, q: Any, mask: An
     return out
 
 
-def _dequantize(raw: np.ndarray, type_: int) -> np.ndarray:
-    """float32 values of raw quantized rows (uint8 [..., row_bytes]) through ggml's CPU conversion."""
-    rb = raw.shape[-1]
-    n_rows = raw.size // rb
-    ne0 = rb // G.type_size(type_) * G.blck_size(type_)
-    mem = 2 * G.ggml_tensor_overhead() + raw.size + 4 * n_rows * ne0 + G.ggml_graph_overhead_custom(8, False) + 4096
-    with G.Context(mem) as ctx, G.Backend.cpu(1) as cpu:
-        t = ctx.new_tensor(type_, (ne0, n_rows))
-        G.to_numpy(t)[...] = raw.reshape(n_rows, rb)
-        out = G.ggml_cast(ctx.ptr, t, G.GGMLType.F32)
-        g = G.Graph(ctx, 8)
-        g.expand(out)
-        cpu.compute(g)
-        return G.to_numpy(out, copy=True).reshape(*raw.shape[:-1], ne0)
-
-
 def _values(item: Item) -> np.ndarray:
     t = G.GGMLType(item.type)
     if G.is_quantized(t):
-        return _dequantize(item.data, t).astype(np.float64)
+        return G.dequantize(item.data, t).astype(np.float64)
     if t == G.GGMLType.BF16:
         return (item.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return item.data.astype(np.float64)
