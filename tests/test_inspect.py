@@ -1,5 +1,6 @@
 """kvcache_ggml.inspect: the invariant checker against corrupted and random valid caches, the tables against values
 computed cell by cell through the per-cell API, the figures' image data, the graph table and the DOT output."""
+import shutil
 import subprocess
 import sys
 
@@ -400,7 +401,7 @@ def test_render_svg(tmp_path, monkeypatch):
     if I.dot_available():
         svg = I.render_svg(path)
         assert svg.suffix == ".svg" and "<svg" in svg.read_text()
-    monkeypatch.setattr(I.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     assert not I.dot_available()
     with pytest.raises(RuntimeError, match="install Graphviz"):
         I.render_svg(path)
