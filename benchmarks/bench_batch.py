@@ -47,20 +47,21 @@ def best_us(fn, iters: int, repeat: int = 5) -> float:
 def cases(iters: int) -> dict[str, float]:
     ba = BatchAllocator(1)
     mem = Positions({s: 99 for s in range(8)})
-    tok1, pos1, seq1, out1 = np.array([3], np.int32), np.array([100], np.int32), np.zeros(1, np.int32), np.ones(1, np.int8)
-    b1 = Batch(token=tok1, pos=pos1, seq_id=seq1, logits=out1)
-    b1_auto = Batch(token=tok1)
+    b1 = Batch(token=np.array([3], np.int32), pos=np.array([100], np.int32), seq_id=np.zeros(1, np.int32),
+               logits=np.ones(1, np.int8))
+    b1_auto = Batch(token=np.array([3], np.int32))
     b8 = Batch(token=np.full(8, 3, np.int32), pos=np.full(8, 100, np.int32), seq_id=np.arange(8, dtype=np.int32))
-    b512 = Batch(token=np.full(512, 3, np.int32), pos=np.arange(100, 612, dtype=np.int32), seq_id=np.zeros(512, np.int32))
+    b512 = Batch(token=np.full(512, 3, np.int32), pos=np.arange(100, 612, dtype=np.int32),
+                 seq_id=np.zeros(512, np.int32))
     bcpl = Batch(token=np.full(64, 3, np.int32), pos=np.arange(100, 164, dtype=np.int32), seq_id=[[0, 1]] * 64)
     out = {}
     out["init 1 token (pos, seq_id, logits given)"] = best_us(lambda: ba.init(b1, 64, mem, 64, 8, False), iters)
     out["init 1 token (all auto)"] = best_us(lambda: ba.init(b1_auto, 64, mem, 64, 8, False), iters)
-    out["init 1 token + split_equal"] = best_us(lambda: (ba.init(b1, 64, mem, 64, 8, False), ba.split_equal(512, False)),
-                                              iters)
+    out["init 1 token + split_equal"] = best_us(
+        lambda: (ba.init(b1, 64, mem, 64, 8, False), ba.split_equal(512, False)), iters)
     out["init 8 tokens, 8 sequences"] = best_us(lambda: ba.init(b8, 64, mem, 64, 8, False), iters)
-    out["init 8 tokens + split_equal"] = best_us(lambda: (ba.init(b8, 64, mem, 64, 8, False), ba.split_equal(512, False)),
-                                               iters)
+    out["init 8 tokens + split_equal"] = best_us(
+        lambda: (ba.init(b8, 64, mem, 64, 8, False), ba.split_equal(512, False)), iters)
     out["init 512-token prompt"] = best_us(lambda: ba.init(b512, 64, mem, 64, 8, False), max(1, iters // 10))
     out["init 64 tokens coupled to 2 sequences"] = best_us(lambda: ba.init(bcpl, 64, mem, 64, 8, False),
                                                           max(1, iters // 10))
