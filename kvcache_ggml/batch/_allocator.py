@@ -393,7 +393,11 @@ class BatchAllocator(BatchSplitter):
         self._seqs = seqs
         self._grp = grp
         self._gorder = None
-        self.split_reset()
+        # split_reset() without its check: the batch was just set
+        self._used = np.zeros(n, bool)
+        self._n_used = 0
+        self._out_ids = []
+        self._hint = 0
 
     # ------------------------------------------------------------------------------------------------ getters
 
