@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,126 +61,162 @@ def _step_split(times, n_steps: int) -> str:
             f"graphs reused {times.n_graph_reused}/{times.n_ubatch}")
 
 
+@dataclass(slots=True)
+class _Sequences:
+    """What the demo tracks of its parallel sequences."""
+
+    n_past: list[int]             # next position of each sequence
+    history: list[list[int]]      # tokens each sequence's cache holds, in order
+    generated: list[list[int]]    # tokens generated so far, per sequence
+    events: list[tuple]           # what happened to sequence 0 ("decode", tokens) / ("shift", ...), for the numpy check
+    nxt: np.ndarray               # int32 [n_par] the next token of each sequence
+
+
 def run(args: argparse.Namespace, model_path: Path) -> int:
-    from .batch import Batch
-    from .runtime.context import Context, DecodeError, RuntimeParams
+    from .runtime.context import Context, RuntimeParams
     from .runtime.model import Model
 
-    n_par = args.n_par
     rng = np.random.default_rng(args.seed)
     params = RuntimeParams(n_ctx=args.n_ctx, n_batch=max(args.n_ctx, args.prompt_len), n_ubatch=512,
-                           n_seq_max=n_par, kv_unified=args.unified, flash_attn=args.flash_attn,
+                           n_seq_max=args.n_par, kv_unified=args.unified, flash_attn=args.flash_attn,
                            type_k=args.type_k, type_v=args.type_v, n_threads=args.threads,
                            n_threads_batch=args.threads)
     t_load = time.perf_counter()
     with Model(model_path) as model, Context(model, params) as ctx:
-        hp = model.hparams
-        t_load = time.perf_counter() - t_load
-        print(f"model {model.name!r} ({model_path}): {hp.n_layer} layers, n_embd {hp.n_embd}, heads "
-              f"{hp.n_head(0)}/{hp.n_head_kv(0)}, n_vocab {model.n_vocab}, {model.size_bytes() / 2**20:.2f} MiB "
-              f"(loaded in {t_load:.2f} s)")
-        print(f"context: n_ctx {ctx.n_ctx()}, {ctx.kv.n_stream} stream(s) x {ctx.kv.get_size()} cells, "
-              f"{n_par} sequences, K {args.type_k} / V {args.type_v}, flash attention "
-              f"{'on' if args.flash_attn else 'off'}, {args.threads} thread(s)")
-
-        # 1. the shared prompt, once, in sequence 0
-        lo = 3 if model.n_vocab > 3 else 0                     # skip <unk>, <s>, </s> of an SPM vocabulary
-        prompt = rng.integers(lo, model.n_vocab, args.prompt_len).astype(np.int32)
-        if model.bos_token_id >= 0:
-            prompt[0] = model.bos_token_id
-        t0 = time.perf_counter()
-        logits = ctx.decode(Batch(token=prompt, pos=np.arange(len(prompt), dtype=np.int32)))
-        t_prompt = time.perf_counter() - t0
-        for s in range(1, n_par):
-            ctx.memory_seq_cp(0, s, -1, -1)
-        first = np.argsort(-logits[-1], kind="stable")[:n_par]     # sequence s starts with the (s+1)-th best token
-        n_past = [len(prompt)] * n_par
-        history = [list(prompt) for _ in range(n_par)]            # tokens each sequence's cache holds, in order
-        generated: list[list[int]] = [[] for _ in range(n_par)]
-        events: list[tuple] = [("decode", prompt.tolist())]      # what happened to sequence 0, for the numpy check
-        nxt = first.astype(np.int32)
-        print(f"prompt: {len(prompt)} tokens decoded in {t_prompt * 1e3:.1f} ms "
-              f"({len(prompt) / t_prompt:.0f} tokens/s), forked into {n_par} sequences with seq_cp")
-
-        # 2. parallel greedy generation, with 3. context shifts when the cache is full
-        if args.n_gen is None:  # enough steps to fill the cache, then 24 more on the shifted one
-            room = ctx.kv.get_size() - len(prompt)
-            args.n_gen = (room // n_par if ctx.kv.n_stream == 1 else room) + 24
-        ctx.times.reset()
-        shifts = 0
-        maps_before: list[str] | None = None
-        t0 = time.perf_counter()
-        step = 0
-        while step < args.n_gen:
-            batch = Batch(token=nxt, pos=np.array(n_past, np.int32), seq_id=np.arange(n_par, dtype=np.int32),
-                          logits=np.ones(n_par, np.int8))
-            try:
-                logits = ctx.decode(batch)
-            except DecodeError as e:
-                if e.code != 1:
-                    raise
-                if maps_before is not None and shifts >= args.max_shifts:
-                    raise
-                maps_before = _cell_maps(ctx)
-                for s in range(n_par):
-                    n_discard = (n_past[s] - args.n_keep) // 2
-                    ctx.context_shift(s, args.n_keep, n_discard)
-                    if s == 0:
-                        events.append(("shift", args.n_keep, n_discard, n_past[0]))
-                    del history[s][args.n_keep:args.n_keep + n_discard]
-                    n_past[s] -= n_discard
-                shifts += 1
-                print(f"step {step}: the cache is full (decode returned 1): context shift of every sequence, "
-                      f"keep {args.n_keep}, discard {n_discard} (last sequence), n_past -> {n_past}")
-                continue
-            events.append(("decode", [int(nxt[0])]))
-            for s in range(n_par):
-                history[s].append(int(nxt[s]))
-                generated[s].append(int(nxt[s]))
-                n_past[s] += 1
-            nxt = np.argmax(logits, axis=1).astype(np.int32)
-            step += 1
-        t_gen = time.perf_counter() - t0
-        times = ctx.times
-        n_tok = n_par * args.n_gen
-        if maps_before is not None:
-            print("cell map before the context shift:")
-            for line in maps_before:
-                print(line)
-        _print_map("after generation" + (" (shifted)" if shifts else ""), ctx)
-        for s in range(n_par):
-            toks = " ".join(str(t) for t in generated[s][:16])
-            print(f"  seq {s}: pos_min {ctx.memory_seq_pos_min(s)}, pos_max {ctx.memory_seq_pos_max(s)}, "
-                  f"tokens {toks}{' ...' if len(generated[s]) > 16 else ''}")
-        print(f"generation: {n_tok} tokens ({args.n_gen} steps x {n_par} sequences) in {t_gen:.2f} s = "
-              f"{n_tok / t_gen:.0f} tokens/s, {shifts} context shift(s)")
-        print(f"host time per step: {_step_split(times, args.n_gen)}")
-
+        _print_setup(args, model, model_path, ctx, time.perf_counter() - t_load)
+        seqs = _decode_prompt(args, model, ctx, rng)
+        _generate(args, ctx, seqs)
         # the shifted cache against a numpy re-encoding of the same tokens at their new positions
-        ok_ref = _check_reference(model_path, ctx, events, n_past[0], int(nxt[0]),
+        ok_ref = _check_reference(model_path, ctx, seqs.events, seqs.n_past[0], int(seqs.nxt[0]),
                                   (args.type_k, args.type_v)) if args.check else True
-
-        # 4. save one sequence and restore it into another slot
-        same = True
-        if n_par >= 2:
-            src, dst = 0, n_par - 1
-            with tempfile.TemporaryDirectory(prefix="kvcache_demo_") as tmp:
-                f = Path(tmp) / f"seq{src}.bin"
-                size = ctx.state_seq_save_file(f, src, history[src])
-                ctx.memory_seq_rm(dst, -1, -1)
-                tokens = ctx.state_seq_load_file(f, dst)
-            ok_tokens = tokens.tolist() == history[src]
-            probe = np.array([nxt[src], nxt[src]], np.int32)
-            pos = np.array([n_past[src], n_past[src]], np.int32)
-            out = ctx.decode(Batch(token=probe, pos=pos, seq_id=np.array([src, dst], np.int32),
-                                   logits=np.ones(2, np.int8)))
-            diff = float(np.abs(out[0] - out[1]).max() / max(np.abs(out[0]).max(), 1e-30))
-            # the same values in other cells: only the summation order differs (F16 V accumulates in F16)
-            same = diff < (1e-5 if args.type_v == "f32" else 5e-3) and ok_tokens
-            _print_map(f"after saving seq {src} ({size} bytes) to a file and restoring it into seq {dst}", ctx)
-            print(f"restore check: seq {dst} gives seq {src}'s next-token logits (max rel diff {diff:.1e}), "
-                  f"tokens {'match' if ok_tokens else 'DIFFER'} -> {'OK' if same else 'MISMATCH'}")
+        same = _restore_check(args, ctx, seqs) if args.n_par >= 2 else True
     return 0 if same and ok_ref else 1
+
+
+def _print_setup(args: argparse.Namespace, model, model_path: Path, ctx, t_load: float) -> None:
+    hp = model.hparams
+    print(f"model {model.name!r} ({model_path}): {hp.n_layer} layers, n_embd {hp.n_embd}, heads "
+          f"{hp.n_head(0)}/{hp.n_head_kv(0)}, n_vocab {model.n_vocab}, {model.size_bytes() / 2**20:.2f} MiB "
+          f"(loaded in {t_load:.2f} s)")
+    print(f"context: n_ctx {ctx.n_ctx()}, {ctx.kv.n_stream} stream(s) x {ctx.kv.get_size()} cells, "
+          f"{args.n_par} sequences, K {args.type_k} / V {args.type_v}, flash attention "
+          f"{'on' if args.flash_attn else 'off'}, {args.threads} thread(s)")
+
+
+def _decode_prompt(args: argparse.Namespace, model, ctx, rng: np.random.Generator) -> _Sequences:
+    """1. the shared prompt, once, in sequence 0, forked into every sequence with seq_cp."""
+    from .batch import Batch
+
+    n_par = args.n_par
+    lo = 3 if model.n_vocab > 3 else 0                     # skip <unk>, <s>, </s> of an SPM vocabulary
+    prompt = rng.integers(lo, model.n_vocab, args.prompt_len).astype(np.int32)
+    if model.bos_token_id >= 0:
+        prompt[0] = model.bos_token_id
+    t0 = time.perf_counter()
+    logits = ctx.decode(Batch(token=prompt, pos=np.arange(len(prompt), dtype=np.int32)))
+    t_prompt = time.perf_counter() - t0
+    for s in range(1, n_par):
+        ctx.memory_seq_cp(0, s, -1, -1)
+    first = np.argsort(-logits[-1], kind="stable")[:n_par]     # sequence s starts with the (s+1)-th best token
+    print(f"prompt: {len(prompt)} tokens decoded in {t_prompt * 1e3:.1f} ms "
+          f"({len(prompt) / t_prompt:.0f} tokens/s), forked into {n_par} sequences with seq_cp")
+    return _Sequences(n_past=[len(prompt)] * n_par, history=[list(prompt) for _ in range(n_par)],
+                      generated=[[] for _ in range(n_par)], events=[("decode", prompt.tolist())],
+                      nxt=first.astype(np.int32))
+
+
+def _generate(args: argparse.Namespace, ctx, seqs: _Sequences) -> None:
+    """2. parallel greedy generation, with 3. context shifts when the cache is full; prints the outcome."""
+    from .batch import Batch
+    from .runtime.context import DecodeError
+
+    n_par, n_past = args.n_par, seqs.n_past
+    if args.n_gen is None:  # enough steps to fill the cache, then 24 more on the shifted one
+        room = ctx.kv.get_size() - n_past[0]
+        args.n_gen = (room // n_par if ctx.kv.n_stream == 1 else room) + 24
+    ctx.times.reset()
+    shifts = 0
+    maps_before: list[str] | None = None
+    t0 = time.perf_counter()
+    step = 0
+    while step < args.n_gen:
+        batch = Batch(token=seqs.nxt, pos=np.array(n_past, np.int32), seq_id=np.arange(n_par, dtype=np.int32),
+                      logits=np.ones(n_par, np.int8))
+        try:
+            logits = ctx.decode(batch)
+        except DecodeError as e:
+            if e.code != 1:
+                raise
+            if maps_before is not None and shifts >= args.max_shifts:
+                raise
+            maps_before = _cell_maps(ctx)
+            _context_shift(args, ctx, seqs, step)
+            shifts += 1
+            continue
+        seqs.events.append(("decode", [int(seqs.nxt[0])]))
+        for s in range(n_par):
+            seqs.history[s].append(int(seqs.nxt[s]))
+            seqs.generated[s].append(int(seqs.nxt[s]))
+            n_past[s] += 1
+        seqs.nxt = np.argmax(logits, axis=1).astype(np.int32)
+        step += 1
+    _print_generation(args, ctx, seqs, time.perf_counter() - t0, shifts, maps_before)
+
+
+def _context_shift(args: argparse.Namespace, ctx, seqs: _Sequences, step: int) -> None:
+    """llama.cpp's context shift of every sequence: keep n_keep positions, discard half of the rest."""
+    n_past = seqs.n_past
+    for s in range(args.n_par):
+        n_discard = (n_past[s] - args.n_keep) // 2
+        ctx.context_shift(s, args.n_keep, n_discard)
+        if s == 0:
+            seqs.events.append(("shift", args.n_keep, n_discard, n_past[0]))
+        del seqs.history[s][args.n_keep:args.n_keep + n_discard]
+        n_past[s] -= n_discard
+    print(f"step {step}: the cache is full (decode returned 1): context shift of every sequence, "
+          f"keep {args.n_keep}, discard {n_discard} (last sequence), n_past -> {n_past}")
+
+
+def _print_generation(args: argparse.Namespace, ctx, seqs: _Sequences, t_gen: float, shifts: int,
+                      maps_before: list[str] | None) -> None:
+    n_tok = args.n_par * args.n_gen
+    if maps_before is not None:
+        print("cell map before the context shift:")
+        for line in maps_before:
+            print(line)
+    _print_map("after generation" + (" (shifted)" if shifts else ""), ctx)
+    for s in range(args.n_par):
+        toks = " ".join(str(t) for t in seqs.generated[s][:16])
+        print(f"  seq {s}: pos_min {ctx.memory_seq_pos_min(s)}, pos_max {ctx.memory_seq_pos_max(s)}, "
+              f"tokens {toks}{' ...' if len(seqs.generated[s]) > 16 else ''}")
+    print(f"generation: {n_tok} tokens ({args.n_gen} steps x {args.n_par} sequences) in {t_gen:.2f} s = "
+          f"{n_tok / t_gen:.0f} tokens/s, {shifts} context shift(s)")
+    print(f"host time per step: {_step_split(ctx.times, args.n_gen)}")
+
+
+def _restore_check(args: argparse.Namespace, ctx, seqs: _Sequences) -> bool:
+    """4. save one sequence to a file and restore it into another slot: both give the same next logits."""
+    from .batch import Batch
+
+    src, dst = 0, args.n_par - 1
+    with tempfile.TemporaryDirectory(prefix="kvcache_demo_") as tmp:
+        f = Path(tmp) / f"seq{src}.bin"
+        size = ctx.state_seq_save_file(f, src, seqs.history[src])
+        ctx.memory_seq_rm(dst, -1, -1)
+        tokens = ctx.state_seq_load_file(f, dst)
+    ok_tokens = tokens.tolist() == seqs.history[src]
+    nxt, n_past = seqs.nxt, seqs.n_past
+    probe = np.array([nxt[src], nxt[src]], np.int32)
+    pos = np.array([n_past[src], n_past[src]], np.int32)
+    out = ctx.decode(Batch(token=probe, pos=pos, seq_id=np.array([src, dst], np.int32),
+                           logits=np.ones(2, np.int8)))
+    diff = float(np.abs(out[0] - out[1]).max() / max(np.abs(out[0]).max(), 1e-30))
+    # the same values in other cells: only the summation order differs (F16 V accumulates in F16)
+    same = diff < (1e-5 if args.type_v == "f32" else 5e-3) and ok_tokens
+    _print_map(f"after saving seq {src} ({size} bytes) to a file and restoring it into seq {dst}", ctx)
+    print(f"restore check: seq {dst} gives seq {src}'s next-token logits (max rel diff {diff:.1e}), "
+          f"tokens {'match' if ok_tokens else 'DIFFER'} -> {'OK' if same else 'MISMATCH'}")
+    return same
 
 
 def _check_reference(model_path: Path, ctx, events: list[tuple], n_past: int, nxt: int,

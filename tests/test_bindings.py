@@ -491,6 +491,17 @@ def test_compute_on_cpu_backend_matches_numpy():
             np.testing.assert_array_equal(G.to_numpy(cache), want)
 
 
+def test_dequantize_q8_0_by_hand():
+    # q8_0 block of 32: an f16 scale d, then 32 int8 q; value = d * q.  Rows [2, 3] of 2 blocks each
+    rng = np.random.default_rng(5)
+    q = rng.integers(-127, 128, size=(2, 3, 2, 32)).astype(np.int8)
+    d = rng.uniform(0.01, 1.0, size=(2, 3, 2, 1)).astype(np.float16)
+    raw = np.concatenate([d.view(np.uint8), q.view(np.uint8)], axis=3).reshape(2, 3, 2 * 34)
+    got = G.dequantize(raw, G.GGMLType.Q8_0)
+    assert got.dtype == np.float32 and got.shape == (2, 3, 64)
+    np.testing.assert_array_equal(got, (d.astype(np.float32) * q).reshape(2, 3, 64))
+
+
 def test_devices_and_registries():
     assert G.version() == "0.15.3" and G.GGML_PYTHON_VERSION == "0.0.45"
     devs = G.devices()

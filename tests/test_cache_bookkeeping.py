@@ -6,60 +6,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, KVCacheParams, MemoryStatus, SlotInfo
-from kvcache_ggml.hparams import HParams, RopeType, SwaType
+from kvcache_ggml.hparams import RopeType, SwaType
+from kvcache_ggml.inspect import check_invariants
 
+from helpers import N_VOCAB, ToyModel, assert_same_snapshot, decode, snapshot
+from helpers import make_cache as make
 from kvmodel import ModelCache
-
-N_VOCAB = 64
-
-
-class TinyModel:
-    def __init__(self, rope_type=RopeType.NORM):
-        self.hparams = HParams.simple(n_layer=2, n_embd_head=8, n_head=2, n_head_kv=1, rope_type=rope_type)
-
-    def dev_layer(self, il):
-        return None
-
-
-def make(kv_size=16, n_seq_max=1, unified=True, **kw):
-    return KVCache(TinyModel(), kv_size=kv_size, n_seq_max=n_seq_max, unified=unified, **kw)
-
-
-def decode(kv, pos, seqs, n_ubatch=512, use_pos=True):
-    """balloc.init + init_batch + apply every ubatch, as llama_decode does for the memory."""
-    ba = BatchAllocator(1)
-    seq_rows = [s if isinstance(s, (list, tuple)) else [s] for s in seqs]
-    ba.init(Batch(token=np.full(len(seq_rows), 3), pos=pos if use_pos else None, seq_id=seq_rows),
-            N_VOCAB, kv, 16, kv.n_seq_max, False)
-    ctx = kv.init_batch(ba, n_ubatch)
-    if ctx.get_status() != MemoryStatus.SUCCESS:
-        return ctx, None
-    cells = []
-    while True:
-        ctx.apply()
-        si = ctx.get_sinfo()
-        for s, idx in zip(si.strm, si.idxs):
-            cells += (s * kv.get_size() + idx).tolist()
-        if not ctx.next():
-            break
-    return ctx, cells
-
-
-def snapshot(kv):
-    return ([c.pos_array.copy() for c in kv.v_cells], [c.shift_array.copy() for c in kv.v_cells],
-            [c.seq_bits.copy() for c in kv.v_cells], list(kv.v_heads),
-            [[(c.seq_pos_min(s), c.seq_pos_max(s)) for s in range(8)] for c in kv.v_cells],
-            [c.used_max_p1() for c in kv.v_cells], [c.get_used() for c in kv.v_cells])
-
-
-def assert_same_snapshot(a, b):
-    for x, y in zip(a, b):
-        if isinstance(x, list) and x and isinstance(x[0], np.ndarray):
-            for u, v in zip(x, y):
-                np.testing.assert_array_equal(u, v)
-        else:
-            assert x == y
-
 
 # ---------------------------------------------------------------------------------------------- hand-worked cases
 
@@ -165,7 +117,7 @@ def test_bad_sequence_ids_raise_and_change_nothing():
 
 
 def test_seq_add_on_mrope_model_raises():
-    kv = KVCache(TinyModel(RopeType.MROPE), kv_size=8)
+    kv = KVCache(ToyModel(rope_type=RopeType.MROPE), kv_size=8)
     with pytest.raises(ValueError, match="n_pos_per_embd"):
         kv.seq_add(0, 0, 1, 1)
 
@@ -232,6 +184,13 @@ def test_get_n_kv_pads_to_256():
     assert ctx.get_n_kv() == 200  # capped at the cache size
 
 
+def test_get_n_kv_pads_like_ggml_pad():
+    # GGML_PAD(x, n) = (x + n - 1) & ~(n - 1): a true multiple only for powers of two
+    kv = make(2304, n_pad=768)
+    ctx, _ = decode(kv, list(range(770)), [0] * 770)
+    assert ctx.get_n_kv() == (770 + 767) & ~767 == 1024
+
+
 def test_slot_info_helpers():
     si = SlotInfo(s0=0, s1=0, strm=[0], idxs=[np.array([3, 4, 5])])
     assert si.is_contiguous() and si.head() == 3 and si.size() == 3 and si.n_stream() == 1 and not si.empty()
@@ -245,7 +204,37 @@ def test_constructor_validation():
     with pytest.raises(ValueError, match="n_seq_max"):
         make(8, n_seq_max=257)
     with pytest.raises(TypeError):
-        KVCache(TinyModel(), KVCacheParams(), kv_size=8)
+        KVCache(ToyModel(), KVCacheParams(), kv_size=8)
+
+
+def test_seq_div_divisor_beyond_int32_raises_and_changes_nothing():
+    kv = make(16)
+    decode(kv, list(range(5)), [0] * 5)
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match="divisor"):
+        kv.seq_div(0, -1, -1, 2**31)
+    assert_same_snapshot(before, snapshot(kv))
+    assert check_invariants(kv) == []
+
+
+def test_seq_add_shift_beyond_int32_raises_and_changes_nothing():
+    kv = make(16)
+    decode(kv, list(range(5)), [0] * 5)
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match="int32"):
+        kv.seq_add(0, -1, -1, 2**31)
+    assert_same_snapshot(before, snapshot(kv))
+
+
+def test_cell_at_int32_max_is_outside_every_range_as_in_the_seed():
+    # the seed's pos_in is strict: p1 = -1 becomes INT32_MAX, so a cell at INT32_MAX is never matched
+    for n in (5, 70):  # the few-cells path and the full-scan path
+        kv = make(128)
+        decode(kv, list(range(n)), [0] * n)
+        kv.seq_add(0, n - 1, n, 2**31 - 1 - (n - 1))
+        assert kv.seq_pos_max(0) == 2**31 - 1
+        kv.seq_rm(0, -1, -1)
+        assert kv.v_cells[0].get_used() == 1 and kv.seq_pos_max(0) == 2**31 - 1
 
 
 # ---------------------------------------------------------------------------------------------- state machine

@@ -3,6 +3,7 @@
 Every expected shape, stride and offset below is computed here from the seed's formulas; the stores are checked by
 writing random rows into random cells and comparing the whole cache with a numpy copy updated by hand.
 """
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,26 +11,16 @@ import pytest
 
 from kvcache_ggml import _ggml as G
 from kvcache_ggml.cache import KVCache, KVCacheContext, SlotInfo
-from kvcache_ggml.hparams import HParams
+
+from helpers import ToyModel, make_cache
 
 Op = G.GGMLOp
 E_HEAD = 8          # n_embd_head_k
 E_HEAD_V = 4        # n_embd_head_v (different from K on purpose)
 
 
-class TinyModel:
-    def __init__(self, n_head_kv=(2, 1, 2), n_embd_head=E_HEAD, n_embd_head_v=E_HEAD_V):
-        n_layer = len(n_head_kv)
-        self.hparams = HParams.simple(n_layer=n_layer, n_embd_head=n_embd_head, n_head=4, n_head_kv=n_head_kv,
-                                      n_embd_head_v=n_embd_head_v)
-
-    def dev_layer(self, il):
-        return None
-
-
-def make(v_trans=True, n_stream=1, kv_size=16, type_k="f16", type_v="f16", n_head_kv=(2, 1, 2), **kw):
-    return KVCache(TinyModel(n_head_kv, **kw), kv_size=kv_size, type_k=type_k, type_v=type_v, v_trans=v_trans,
-                   unified=n_stream == 1, n_seq_max=max(n_stream, 1))
+# 3 layers of 4 heads, K heads of E_HEAD and V heads of E_HEAD_V dims, 2/1/2 KV heads; n_stream streams
+make = partial(make_cache, n_stream=1, n_head=4, n_head_kv=(2, 1, 2), n_embd_head=E_HEAD, n_embd_head_v=E_HEAD_V)
 
 
 def rs(t, n):
@@ -210,6 +201,73 @@ def test_errors_name_values(ctx):
         kv.cpy_k(ctx, G.new_tensor(ctx, "f32", (E_HEAD, 2, 3)), idx, 0)
     with pytest.raises(ValueError, match="expected a ggml context"):
         kv.build_input_k_idxs(0, SimpleNamespace(n_tokens=2))
+    kv.close()
+
+
+# ---------------------------------------------------------------------------------------------- layer filter and reuse
+
+N_HEAD_KV4 = (1, 2, 1, 2)  # 4 layers of 4 heads of E_HEAD dims, K/V heads varied per layer
+
+
+def test_filter_keeps_only_the_layers_it_accepts(ctx):
+    keep = [False, True, False, True]
+    kv = make_cache(16, model=ToyModel(n_head=4, n_head_kv=N_HEAD_KV4), n_stream=2, v_trans=False,
+                    filter=lambda il: keep[il])
+    kept = [il for il in range(4) if keep[il]]
+    assert [layer.il for layer in kv.layers] == kept
+    for layer in kv.layers:
+        gqa = 8 * N_HEAD_KV4[layer.il]
+        assert G.ne(layer.k) == (gqa, 16, 2, 1) and G.ne(layer.v) == (gqa, 16, 2, 1)
+        assert G.name(layer.k) == f"cache_k_l{layer.il}"
+    f16 = 2
+    assert kv.size_k_bytes() == kv.size_v_bytes() == sum(f16 * 8 * N_HEAD_KV4[il] * 16 * 2 for il in kept)
+    for il in (0, 2):
+        with pytest.raises(ValueError, match=f"layer {il} has no KV tensors"):
+            kv.get_k(ctx, il, 16, SlotInfo(s0=0, s1=0, strm=[0]))
+    kv.close()
+
+
+def test_reused_layer_views_the_tensors_of_the_layer_it_reuses(ctx):
+    # as gemma3n: layers 2 and 3 have no KV of their own (n_layer_kv_from_start = 2) and read layers 0 and 1's
+    reuse = {2: 0, 3: 1}
+    model = ToyModel(n_head=4, n_head_kv=(1, 2, 1, 2), n_layer_kv_from_start=2)
+    kv = make_cache(16, model=model, reuse=lambda il: reuse.get(il, -1))
+    assert [layer.il for layer in kv.layers] == [0, 1]
+    own = {layer.il: layer for layer in kv.layers}
+    si = SlotInfo(s0=0, s1=0, strm=[0])
+    for il, src in reuse.items():
+        k, v = kv.get_k(ctx, il, 16, si), kv.get_v(ctx, il, 16, si)
+        assert same(G.view_src(k), own[src].k) and same(G.view_src(v), own[src].v)
+        assert not same(G.view_src(k), own[1 - src].k)
+        assert G.ne(k) == (8, N_HEAD_KV4[src], 16, 1)
+        assert G.data_ptr(k) == G.data_ptr(own[src].k)  # the same memory, not a copy
+    assert kv.size_k_bytes() == sum(2 * 8 * h * 16 for h in (1, 2))  # two layers' worth, f16
+    kv.close()
+
+
+def test_reuse_of_a_filtered_out_layer_raises_before_allocating(monkeypatch):
+    made = []  # ggml contexts created and buffers allocated, seen through spies that call the real ggml
+
+    class CountingContext(G.Context):
+        __slots__ = ()
+
+        def __init__(self, *args, **kwargs):
+            made.append(("context", args))
+            super().__init__(*args, **kwargs)
+
+    alloc = G.ggml_backend_alloc_ctx_tensors_from_buft
+    monkeypatch.setattr(G, "Context", CountingContext)
+    monkeypatch.setattr(G, "ggml_backend_alloc_ctx_tensors_from_buft",
+                        lambda *args: made.append(("buffer", args)) or alloc(*args))
+    model = ToyModel(n_head=4, n_head_kv=N_HEAD_KV4)
+    with pytest.raises(ValueError, match=r"layer 3 reuses layer 2, which has no tensors in this cache "
+                                         r"\(kept layers: \[0, 1, 3\]\)"):
+        make_cache(16, model=model, filter=lambda il: il != 2, reuse=lambda il: 2 if il == 3 else -1)
+    assert made == []
+    # the spies do see a cache being made: reusing a kept layer succeeds
+    kv = make_cache(16, model=model, filter=lambda il: il != 2, reuse=lambda il: 1 if il == 3 else -1)
+    assert [kind for kind, _ in made] == ["context", "buffer"]
+    assert [layer.il for layer in kv.layers] == [0, 1, 3]
     kv.close()
 
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -16,23 +17,13 @@ from kvcache_ggml import _ggml as G
 from kvcache_ggml.cache import masks as _masks
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus
-from kvcache_ggml.hparams import (HParams, RopeType, SwaType, is_masked_swa, is_masked_swa_np,
+from kvcache_ggml.hparams import (RopeType, SwaType, is_masked_swa, is_masked_swa_np,
                                    llama_relative_position_bucket)
 
-N_VOCAB = 64
+from helpers import N_VOCAB, make_cache
 
-
-class Model:
-    def __init__(self, **kw):
-        self.hparams = HParams.simple(n_layer=2, n_embd_head=4, n_head=2, n_head_kv=kw.pop("n_head_kv", 1),
-                                      n_vocab=N_VOCAB, **kw)
-
-    def dev_layer(self, il):
-        return None
-
-
-def make(kv_size=32, n_seq_max=1, unified=True, model_kw=None, **kw):
-    return KVCache(Model(**(model_kw or {})), kv_size=kv_size, n_seq_max=n_seq_max, unified=unified, **kw)
+# 2 layers of 2 heads of 4 dims, 1 KV head (model keyword arguments such as use_alibi go to the model)
+make = partial(make_cache, kv_size=32, n_layer=2, n_embd_head=4, n_vocab=N_VOCAB)
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -239,13 +230,13 @@ MASK_CONFIGS = {
     "symmetric-5": dict(kv_size=32, n_seq_max=2, n_swa=5, swa_type=SwaType.SYMMETRIC),
     "symmetric-0": dict(kv_size=16, n_seq_max=1, n_swa=0, swa_type=SwaType.SYMMETRIC),
     "streams-swa": dict(kv_size=16, n_seq_max=2, unified=False, n_swa=3, swa_type=SwaType.STANDARD),
-    "alibi": dict(kv_size=48, n_seq_max=2, model_kw=dict(use_alibi=True)),
+    "alibi": dict(kv_size=48, n_seq_max=2, use_alibi=True),
     "alibi-chunked": dict(kv_size=32, n_seq_max=2, n_swa=8, swa_type=SwaType.CHUNKED,
-                          model_kw=dict(use_alibi=True)),
-    "mrope": dict(kv_size=48, n_seq_max=2, model_kw=dict(rope_type=RopeType.MROPE)),
-    "mrope-streams": dict(kv_size=24, n_seq_max=2, unified=False, model_kw=dict(rope_type=RopeType.IMROPE)),
+                          use_alibi=True),
+    "mrope": dict(kv_size=48, n_seq_max=2, rope_type=RopeType.MROPE),
+    "mrope-streams": dict(kv_size=24, n_seq_max=2, unified=False, rope_type=RopeType.IMROPE),
     "mrope-swa": dict(kv_size=32, n_seq_max=1, n_swa=4, swa_type=SwaType.STANDARD,
-                      model_kw=dict(rope_type=RopeType.MROPE)),
+                      rope_type=RopeType.MROPE),
 }
 
 
@@ -293,7 +284,7 @@ def test_mask_hand_worked_two_sequences():
 
 
 def test_mask_mrope_2d_rule():
-    kv = make(kv_size=16, model_kw=dict(rope_type=RopeType.MROPE))
+    kv = make(kv_size=16, rope_type=RopeType.MROPE)
     # an image of 2x2 at temporal position 0: rows y, x
     ctx = decode(kv, [[0, 0, 0, 0], [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 0, 0]], [0] * 4, embd=True)
     np.testing.assert_array_equal(kv.v_cells[0].ext_array[:4], [[0, 0], [1, 0], [0, 1], [1, 1]])
@@ -303,7 +294,7 @@ def test_mask_mrope_2d_rule():
 
 
 def test_mask_alibi_values():
-    kv = make(kv_size=16, model_kw=dict(use_alibi=True))
+    kv = make(kv_size=16, use_alibi=True)
     ctx = decode(kv, [0, 1, 2, 3], [0] * 4)
     m = ctx.kq_mask()[0, :, :4]
     want = -np.abs(np.arange(4)[None, :] - np.arange(4)[:, None]).astype(np.float32)
@@ -370,7 +361,7 @@ def test_k_v_idxs_hand_worked_streams():
 @pytest.mark.parametrize("unified", [True, False])
 def test_k_v_idxs_match_seed_loops(v_trans, unified):
     # variable V width across layers: the transposed layout pads every layer to n_embd_v_gqa_max = 12
-    kv = make(kv_size=24, n_seq_max=3, unified=unified, v_trans=v_trans, model_kw=dict(n_head_kv=[2, 3]))
+    kv = make(kv_size=24, n_seq_max=3, unified=unified, v_trans=v_trans, n_head_kv=[2, 3])
     rng = np.random.default_rng(7 + v_trans + 2 * unified)
     n_checked = [0]
 
@@ -409,7 +400,7 @@ def test_k_shift_values():
 # ------------------------------------------------------------------------------------------------ pos bucket
 
 def test_pos_bucket_matches_seed_loop():
-    kv = make(kv_size=512, n_seq_max=2, model_kw=dict(n_rel_attn_bkts=32))
+    kv = make(kv_size=512, n_seq_max=2, n_rel_attn_bkts=32)
     decode(kv, list(range(200)), [0] * 200)
     kv.seq_rm(0, 10, 20)
     ba = BatchAllocator(1)
@@ -427,14 +418,14 @@ def test_pos_bucket_matches_seed_loop():
 
 
 def test_pos_bucket_refuses_streams_and_equal_ubatches():
-    kv = make(kv_size=16, n_seq_max=2, unified=False, model_kw=dict(n_rel_attn_bkts=32))
+    kv = make(kv_size=16, n_seq_max=2, unified=False, n_rel_attn_bkts=32)
     ctx = decode(kv, [0], [0])
     ht = HostTensor("i32", (16, 1))
     try:
         ht.array()[...] = 5
         with pytest.raises(ValueError, match="one stream"):
             kv.set_input_pos_bucket(ht.t, ctx.get_ubatch())
-        kv1 = make(kv_size=16, model_kw=dict(n_rel_attn_bkts=32))
+        kv1 = make(kv_size=16, n_rel_attn_bkts=32)
         ba = BatchAllocator(1)
         ba.init(Batch(token=[3], pos=[0]), N_VOCAB, kv1, 8, 1, False)
         ba.split_reset()

@@ -1,7 +1,9 @@
 """kvcache_ggml.inspect: the invariant checker against corrupted and random valid caches, the tables against values
 computed cell by cell through the per-cell API, the figures' image data, the graph table and the DOT output."""
+import shutil
 import subprocess
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
@@ -10,9 +12,9 @@ from kvcache_ggml import _ggml as G
 from kvcache_ggml import inspect as I
 from kvcache_ggml.cache import UpdateContext
 from kvcache_ggml._consts import LLAMA_MAX_SEQ
-from kvcache_ggml.cache import KVCache
 from kvcache_ggml.cells import KVCells
-from kvcache_ggml.hparams import HParams
+
+from helpers import make_cache
 
 
 def need_matplotlib():
@@ -21,17 +23,7 @@ def need_matplotlib():
     mpl.use("Agg")
 
 
-class TinyModel:
-    def __init__(self, n_layer=2, n_embd_head=8, **kw):
-        self.hparams = HParams.simple(n_layer=n_layer, n_embd_head=n_embd_head, n_head=2, n_head_kv=1, **kw)
-
-    def dev_layer(self, il):
-        return None
-
-
-def make(kv_size=16, n_seq_max=3, unified=True, **kw):
-    model_kw = {k: kw.pop(k) for k in ("n_layer", "n_embd_head", "use_alibi") if k in kw}
-    return KVCache(TinyModel(**model_kw), kv_size=kv_size, n_seq_max=n_seq_max, unified=unified, **kw)
+make = partial(make_cache, n_seq_max=3)  # make(kv_size, ...): a toy cache serving 3 sequences
 
 
 def populated():
@@ -147,17 +139,25 @@ def test_bad_array_shape_is_reported_without_crashing():
 # ------------------------------------------------------------------------------------------ invariants: random valid
 
 def _random_ops(kv, rng, n_ops):
+    """Random decodes and sequence operations, the invariants checked after each; returns (decodes tried,
+    decodes that went in, the most cells in use at once, the most sequences sharing one cell)."""
     nseq = kv.n_seq_max
+    tried = done = most_used = most_shared = 0
     for _ in range(n_ops):
         q = int(rng.integers(nseq))
         op = rng.choice(["decode", "decode", "rm", "cp", "add", "div", "keep"], p=[.3, .2, .15, .1, .1, .1, .05])
         p0, p1 = sorted(rng.integers(-1, 12, 2).tolist())
         if op == "decode":
             n = int(rng.integers(1, 5))
+            tried += 1
+            used = sum(c.get_used() for c in kv.v_cells)
             try:
                 I.decode(kv, None, [q] * n)
             except (ValueError, RuntimeError):
                 pass  # no room, or positions the allocator refuses: the cache is unchanged
+            else:
+                done += 1
+                assert sum(c.get_used() for c in kv.v_cells) == used + n  # n new cells
         elif op == "rm":
             kv.seq_rm(q, p0, p1)
         elif op == "cp":
@@ -171,13 +171,21 @@ def _random_ops(kv, rng, n_ops):
             kv.seq_keep(q)
         errs = I.check_invariants(kv)
         assert errs == [], (op, errs)
+        t = I.cells_table(kv)
+        most_used = max(most_used, int(np.count_nonzero(t["pos"] >= 0)))
+        most_shared = max(most_shared, int(t["n_seq"].max()))
+    return tried, done, most_used, most_shared
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("unified", [True, False])
 def test_random_valid_caches_have_no_findings(seed, unified):
     kv = make(24, n_seq_max=3, unified=unified)
-    _random_ops(kv, np.random.default_rng(seed), 40)
+    tried, done, most_used, most_shared = _random_ops(kv, np.random.default_rng(seed), 40)
+    # the walk exercised the cache: most decodes went in, the cells filled up, and (unified) seq_cp shared cells
+    assert done >= 5 and 3 * done >= tried, (tried, done)
+    assert most_used >= kv.get_size() // 2, most_used
+    assert most_shared >= (2 if unified else 1), most_shared
     _check_table(kv)
 
 
@@ -400,7 +408,7 @@ def test_render_svg(tmp_path, monkeypatch):
     if I.dot_available():
         svg = I.render_svg(path)
         assert svg.suffix == ".svg" and "<svg" in svg.read_text()
-    monkeypatch.setattr(I.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     assert not I.dot_available()
     with pytest.raises(RuntimeError, match="install Graphviz"):
         I.render_svg(path)

@@ -5,34 +5,32 @@ scale, NORM pairs (i, i+1), NEOX pairs (i, i + n_dims/2), dims past n_dims untou
 checked against the rope of their dequantized rows, within one quantization step of the re-quantized block.
 """
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 
 from kvcache_ggml import _ggml as G
-from kvcache_ggml.cache import UpdateContext
-from kvcache_ggml.cache import KVCache, StreamCopyInfo
+from kvcache_ggml.cache import StreamCopyInfo, UpdateContext
 from kvcache_ggml.cparams import CParams, ContextParams, RopeScalingType
 from kvcache_ggml.hparams import HParams, RopeType
+
+from helpers import ToyModel, decode, make_cache
 
 Op = G.GGMLOp
 E_HEAD = 32
 
 
-class TinyModel:
-    def __init__(self, rope_type=RopeType.NEOX, n_rot=E_HEAD, n_head_kv=(2, 1), swa_layers=(), **kw):
-        self.hparams = HParams.simple(n_layer=len(n_head_kv), n_embd_head=E_HEAD, n_head=4, n_head_kv=n_head_kv,
-                                      n_rot=n_rot, rope_type=rope_type, swa_layers=swa_layers, **kw)
-
-    def dev_layer(self, il):
-        return None
+# the model of these tests: 2 layers of 4 heads of 32 dims (2 and 1 KV heads), NEOX RoPE over every dim
+KSHIFT_HP = dict(n_embd_head=E_HEAD, n_head=4, n_head_kv=(2, 1), n_rot=E_HEAD, rope_type=RopeType.NEOX)
+TinyModel = partial(ToyModel, **KSHIFT_HP)
 
 
-class RopeModel(TinyModel):
+class RopeModel(ToyModel):
     """A model with its own per-layer RoPE parameters and frequency factors (the seed's model.get_rope_*)."""
 
     def __init__(self, factors, **kw):
-        super().__init__(**kw)
+        super().__init__(**{**KSHIFT_HP, **kw})
         self.factors = factors
 
     def get_rope_freq_base(self, cparams, il):
@@ -43,11 +41,6 @@ class RopeModel(TinyModel):
 
     def get_rope_factors(self, cparams, il):
         return self.factors if il == 0 else None
-
-
-def make(model, type_k="f16", n_stream=1, kv_size=16, v_trans=True):
-    return KVCache(model, kv_size=kv_size, type_k=type_k, type_v="f16", v_trans=v_trans, unified=n_stream == 1,
-                   n_seq_max=n_stream)
 
 
 # ---------------------------------------------------------------------------------------------- numpy rope
@@ -191,7 +184,7 @@ def check_rotated(kv, before, pending, cp, model=None, v_before=None):
 def test_seq_add_then_update_rotates_k(type_k, rope_type):
     rng = np.random.default_rng(1)
     model = TinyModel(rope_type=rope_type, n_rot=16)
-    kv = make(model, type_k=type_k)
+    kv = make_cache(model=model, type_k=type_k)
     place(kv, 0, 12)
     before = fill_k(kv, rng)
     v_before = [G.to_numpy(layer.v, copy=True) for layer in kv.layers]
@@ -217,7 +210,7 @@ def test_yarn_and_model_rope_parameters(type_k):
         cp = CParams.from_hparams(model.hparams, ContextParams(rope_scaling_type=RopeScalingType.YARN, n_ctx=1024))
         assert cp.yarn_ext_factor == 1.0 and cp.rope_freq_scale == 0.25 and cp.n_ctx_orig_yarn == 2048
         cp.yarn_attn_factor = 1.25  # a magnitude scale != 1 makes unshifted rows change too
-        kv = make(model, type_k=type_k, n_stream=2)
+        kv = make_cache(model=model, type_k=type_k, n_stream=2)
         place(kv, 0, 10)
         place(kv, 1, 6, seq=1)
         before = fill_k(kv, rng)
@@ -241,7 +234,7 @@ def test_swa_layers_use_the_swa_rope_base_when_hparams_has_it():
 
     model.hparams = SwaHParams(**{f: getattr(hp, f) for f in type(hp).__dataclass_fields__})
     model.hparams.rope_freq_base_train_swa, model.hparams.rope_freq_scale_train_swa = 100.0, 0.5
-    kv = make(model, type_k="f32")
+    kv = make_cache(model=model, type_k="f32")
     place(kv, 0, 8)
     before = fill_k(kv, rng)
     kv.seq_add(0, 0, 8, 3)
@@ -267,7 +260,7 @@ def test_swa_layers_use_the_swa_rope_base_when_hparams_has_it():
 def test_mrope_is_shifted_as_neox(rope_type):
     rng = np.random.default_rng(5)
     model = TinyModel(rope_type=rope_type)
-    kv = make(model, type_k="f32")
+    kv = make_cache(model=model, type_k="f32")
     place(kv, 0, 6)
     before = fill_k(kv, rng)
     kv.v_cells[0].pos_add_many(np.arange(2, 6), 4)  # seq_add refuses M-RoPE models; shift the cells directly
@@ -279,7 +272,7 @@ def test_mrope_is_shifted_as_neox(rope_type):
 
 def test_no_rope_model_only_clears_the_shift():
     rng = np.random.default_rng(6)
-    kv = make(TinyModel(rope_type=RopeType.NONE))
+    kv = make_cache(model=TinyModel(rope_type=RopeType.NONE))
     place(kv, 0, 4)
     fill_k(kv, rng)
     k0 = [G.to_numpy(layer.k, copy=True) for layer in kv.layers]
@@ -302,7 +295,7 @@ def op_params(t):
 @pytest.mark.parametrize("type_k", ["f16", "q8_0"])
 def test_shift_graph_ops(type_k):
     model = TinyModel(rope_type=RopeType.MROPE, n_rot=16)
-    kv = make(model, type_k=type_k, n_stream=2)
+    kv = make_cache(model=model, type_k=type_k, n_stream=2)
     cp = CParams(n_ctx_orig_yarn=333, yarn_ext_factor=0.5, yarn_attn_factor=0.75, yarn_beta_fast=16.0,
                  yarn_beta_slow=2.0, rope_freq_base=5000.0, rope_freq_scale=0.5)
     with kv.shift_context() as ctx, UpdateContext.for_cache(kv, cp) as lctx:
@@ -336,7 +329,7 @@ def test_shift_graph_ops(type_k):
 
 
 def test_graph_too_small_for_the_scheduler_is_an_error():
-    kv = make(TinyModel())
+    kv = make_cache(model=TinyModel())
     place(kv, 0, 2)
     kv.seq_add(0, 0, 2, 1)
     with UpdateContext.for_cache(kv) as lctx:
@@ -348,7 +341,7 @@ def test_graph_too_small_for_the_scheduler_is_an_error():
 
 
 def test_vision_rope_is_refused():
-    kv = make(TinyModel(rope_type=RopeType.VISION))
+    kv = make_cache(model=TinyModel(rope_type=RopeType.VISION))
     place(kv, 0, 2)
     kv.seq_add(0, 0, 2, 1)
     with pytest.raises(ValueError, match="not VISION"):
@@ -367,7 +360,7 @@ def raw_streams(kv):
 @pytest.mark.parametrize("type_k", ["f16", "q8_0"])
 def test_seq_cp_across_streams_copies_the_bytes(v_trans, type_k):
     rng = np.random.default_rng(8)
-    kv = make(TinyModel(), type_k=type_k, n_stream=3, v_trans=v_trans)
+    kv = make_cache(model=TinyModel(), type_k=type_k, n_stream=3, v_trans=v_trans)
     place(kv, 0, 5, seq=0)
     fill_k(kv, rng)
     old = raw_streams(kv)
@@ -387,7 +380,7 @@ def test_seq_cp_across_streams_copies_the_bytes(v_trans, type_k):
 def test_copy_then_shift_rotates_both_streams():
     rng = np.random.default_rng(9)
     model = TinyModel(rope_type=RopeType.NORM)
-    kv = make(model, type_k="f32", n_stream=2)
+    kv = make_cache(model=model, type_k="f32", n_stream=2)
     place(kv, 0, 8, seq=0)
     before = fill_k(kv, rng)
     kv.seq_add(0, 3, 8, 6)
@@ -419,7 +412,7 @@ def test_cparams_from_hparams_follows_llama_context():
 def test_callers_scheduler_is_used_and_left_open():
     rng = np.random.default_rng(10)
     model = TinyModel(rope_type=RopeType.NEOX)
-    kv = make(model, type_k="f32")
+    kv = make_cache(model=model, type_k="f32")
     place(kv, 0, 4)
     before = fill_k(kv, rng)
     kv.seq_add(0, 0, 4, 9)
@@ -436,7 +429,7 @@ def test_callers_scheduler_is_used_and_left_open():
 
 def test_bad_stream_copy_changes_nothing():
     rng = np.random.default_rng(11)
-    kv = make(TinyModel(), n_stream=2)
+    kv = make_cache(model=TinyModel(), n_stream=2)
     fill_k(kv, rng)
     old = raw_streams(kv)
     with pytest.raises(ValueError, match=r"stream copy 1 -> 5: need two different streams in \[0, 2\)"):
@@ -447,8 +440,24 @@ def test_bad_stream_copy_changes_nothing():
     kv.close()
 
 
+def test_refused_k_shift_does_not_perform_the_queued_stream_copies():
+    model = ToyModel(n_layer=1, n_embd_head=8, n_head=2, n_head_kv=1, n_rot=3)  # odd n_rot: no K-shift graph
+    kv = make_cache(8, model=model, n_stream=2, type_k="f32", type_v="f32")
+    decode(kv, [0, 1], [0, 0])
+    kv.seq_add(0, -1, -1, 1)
+    kv.seq_cp(0, 1, -1, -1)
+    G.ggml_backend_tensor_memset(kv.layers[0].k, 7, 0, G.nbytes(kv.layers[0].k) // 2)  # stream 0 differs
+    before = G.to_numpy(kv.layers[0].k, copy=True)
+    with pytest.raises(ValueError, match="n_rot"):
+        kv.init_update().apply()
+    np.testing.assert_array_equal(G.to_numpy(kv.layers[0].k, copy=True), before)  # stream 1 not overwritten
+    assert kv.get_has_shift()
+    assert kv.sc_info.ssrc == [0] and kv.sc_info.sdst == [1]  # the copy stays queued for the next update
+    kv.close()
+
+
 def test_no_alloc_cache_refuses_data_moves():
-    kv = make(TinyModel(no_alloc=True), n_stream=2)
+    kv = make_cache(model=TinyModel(no_alloc=True), n_stream=2)
     place(kv, 0, 2)
     kv.seq_add(0, 0, 2, 1)
     with pytest.raises(RuntimeError, match="no_alloc"):

@@ -2,6 +2,7 @@
 import io
 import os
 import struct
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -11,22 +12,16 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvcache_ggml import _ggml as G
 from kvcache_ggml.cache import state_codec as S
 from kvcache_ggml._state_cli import main_inspect
-from kvcache_ggml.batch import Batch, BatchAllocator
-from kvcache_ggml.cache import KVCache, MemoryStatus
+from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams
 from kvcache_ggml.state import (BufferWriter, BytesReader, BytesWriter, CountingWriter, FileWriter, StreamReader,
                                 StreamWriter, load_seq_file, parse_state, read_state_file, save_seq_file)
 
+from helpers import ToyModel, make_cache
+from helpers import decode as decode_batch
+
 DATA = Path(__file__).with_name("data")
 REGEN = os.environ.get("KVCACHE_REGEN_GOLDEN") == "1"
-
-
-class Model:
-    def __init__(self, n_layer=2, n_embd_head=8, n_head=2, n_head_kv=1):
-        self.hparams = HParams.simple(n_layer=n_layer, n_embd_head=n_embd_head, n_head=n_head, n_head_kv=n_head_kv)
-
-    def dev_layer(self, il):
-        return None
 
 
 MODELS = {
@@ -50,19 +45,10 @@ CONFIGS = {
 
 def make(cfg="unified-trans-f16", kv_size=32, n_seq_max=3, **kw):
     model, params = CONFIGS[cfg]
-    return KVCache(Model(**MODELS[model]), kv_size=kv_size, n_seq_max=n_seq_max, **dict(params, **kw))
+    return make_cache(kv_size, n_seq_max, **MODELS[model], **dict(params, **kw))
 
 
-def decode(kv, pos, seqs):
-    rows = [s if isinstance(s, (list, tuple)) else [s] for s in seqs]
-    ba = BatchAllocator(1)
-    ba.init(Batch(token=np.full(len(rows), 3), pos=pos, seq_id=rows), 64, kv, 16, kv.n_seq_max, False)
-    ctx = kv.init_batch(ba, 512)
-    assert ctx.get_status() == MemoryStatus.SUCCESS
-    while True:
-        ctx.apply()
-        if not ctx.next():
-            break
+decode = partial(decode_batch, check=True)  # decode(kv, pos, seqs): a batch that must fit
 
 
 def randomize_data(kv, rng):
@@ -388,7 +374,7 @@ def test_state_on_an_rpc_device(rpc_server, v_trans, call_limit, monkeypatch):
     """Layer 1 on a (loopback) RPC device: no host memory, no memset; the state is the CPU cache's."""
     from kvcache_ggml.backends import PlacedModel, Placement
     monkeypatch.setattr(S, "_CALL_LIMIT", call_limit)
-    pm = PlacedModel(Model().hparams, Placement.per_layer(["CPU", rpc_server.spec]))
+    pm = PlacedModel(ToyModel().hparams, Placement.per_layer(["CPU", rpc_server.spec]))
     rng = np.random.default_rng(31)
     src = make(kv_size=64, n_seq_max=2, v_trans=v_trans)
     fill(src, rng, 14)
@@ -472,6 +458,13 @@ def test_unused_sequence_and_empty_streams():
     assert kv.state_save(0) == struct.pack("<4I", 3, 0, 0, 0)
     info = parse_state(kv.state_save(1))
     assert [s.cell_count for s in info.streams] == [0, 2, 0]
+
+
+def test_state_save_of_a_sequence_no_stream_holds_is_empty_as_in_the_seed():
+    kv = make("streams-trans-f16", kv_size=8, n_seq_max=2)
+    decode(kv, [0, 1], [0, 0])
+    blob = kv.state_save(5)
+    assert blob == np.array([2, 0, 0], np.uint32).tobytes()  # n_stream, then an empty count per stream
 
 
 # ============================================================================================ golden files
@@ -636,7 +629,7 @@ def test_caller_errors_change_nothing():
 
 
 def test_unsupported_caches():
-    model = Model(n_embd_head=32)
+    model = ToyModel(n_embd_head=32)
     kv = KVCache(model, kv_size=8, v_trans=True, type_v="q8_0")
     with pytest.raises(ValueError, match=r"transposed V cache of block type q8_0"):
         kv.state_save()

@@ -4,6 +4,7 @@ Other modules do `from kvcache_ggml import _ggml as G` and then:
 - call C functions of the table by their C names: `G.ggml_view_4d(ctx.ptr, t, ...)`, `G.ggml_set_rows(...)`
   (`G.FUNCTIONS` is the table: name -> ctypes function, declared with the right types);
 - read tensors with the helpers: `G.ne(t)`, `G.nb(t)`, `G.ttype(t)`, `G.name(t)`, `G.to_numpy(t)`, ...;
+- convert quantized rows to float32 with `G.dequantize(raw, type_)` (ggml's own CPU kernels);
 - own native handles with `G.Context`, `G.BackendBuffer`, `G.Backend`, `G.Sched` (close() / `with`); `G.Graph`.
 
 Handles are ints (contexts, buffers, buffer types, backends, devices) or `G.TensorP` pointers (tensors).
@@ -19,6 +20,7 @@ from ._tensor import (addr, buffer, data_ptr, from_numpy, handle, header, host_b
                       set_tensor, src, to_numpy, ttype, view_offs, view_src)
 from ._owners import (TENSOR_ALIGNMENT, Backend, BackendBuffer, Context, Graph, Sched, aligned_zeros, buft_name,
                       cpu_buffer_type, dev_memory)
+from ._convert import dequantize
 from ._devices import (Device, commit, device, devices, registries, rpc_add_server, rpc_available,
                        rpc_start_server, summary_lines, version)
 
@@ -37,5 +39,5 @@ __all__ = sorted(FUNCTIONS) + [
     "TENSOR_ALIGNMENT", "Backend", "BackendBuffer", "Context", "Graph", "Sched", "aligned_zeros", "buft_name",
     "cpu_buffer_type", "dev_memory",
     "Device", "commit", "device", "devices", "registries", "rpc_add_server", "rpc_available", "rpc_start_server",
-    "summary_lines", "version",
+    "summary_lines", "version", "dequantize",
 ]

@@ -61,10 +61,7 @@ def b64_floats(data: bytes | str, n_cols: int):
 # ============================================================================ the oracle's side (llama_cpp)
 
 def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
-    import ctypes
-
     import llama_cpp as L
-    import numpy as np
 
     spec = json.loads(sys.stdin.read())
     if not spec.get("verbose"):
@@ -77,7 +74,23 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     if not model:
         print(json.dumps({"error": "model load failed"}), flush=True)
         return 1
-    pr = spec.get("params", {})
+    cp = _context_params(L, spec.get("params", {}))
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        print(json.dumps({"error": "context creation failed"}), flush=True)
+        return 1
+    mem = L.llama_get_memory(ctx)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    decode = _decoder(L, ctx, n_vocab, max(1, cp.n_seq_max))
+    for op in spec["ops"]:
+        print(json.dumps(_answer(L, ctx, mem, decode, op, n_vocab)), flush=True)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+    return 0
+
+
+def _context_params(L, pr: dict):  # pragma: no cover - oracle side
+    """llama_context_params from the spec's ``params`` (llama.cpp's defaults where absent)."""
     cp = L.llama_context_default_params()
     cp.n_ctx = pr.get("n_ctx", 512)
     cp.n_batch = pr.get("n_batch", 2048)
@@ -90,13 +103,12 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     cp.type_k = _GGML_TYPE[pr.get("type_k", "f16")]
     cp.type_v = _GGML_TYPE[pr.get("type_v", "f16")]
     cp.no_perf = True
-    ctx = L.llama_init_from_model(model, cp)
-    if not ctx:
-        print(json.dumps({"error": "context creation failed"}), flush=True)
-        return 1
-    mem = L.llama_get_memory(ctx)
-    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    n_seq_max = max(1, cp.n_seq_max)
+    return cp
+
+
+def _decoder(L, ctx, n_vocab: int, n_seq_max: int):  # pragma: no cover - oracle side
+    """decode(tokens, pos, seqs, flags) -> (llama_decode's return, float32 [n_outputs, n_vocab] logits)."""
+    import numpy as np
 
     def decode(tokens, pos, seqs, flags):
         n = len(tokens)
@@ -122,40 +134,43 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
         arr = np.asarray(rows, np.float32).reshape(-1, n_vocab)
         return ret, arr
 
-    for op in spec["ops"]:
-        kind = op["op"]
-        ans: dict = {"op": kind}
-        if kind == "decode":
-            n = len(op["tokens"])
-            seqs = op.get("seq") or [[0]] * n
-            flags = op.get("logits") or [0] * (n - 1) + [1]
-            ret, arr = decode(op["tokens"], op["pos"], seqs, flags)
-            ans.update(ret=ret, logits=base64.b64encode(arr.tobytes()).decode(), n_vocab=n_vocab)
-        elif kind in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"):
-            ans["ret"] = getattr(L, "llama_memory_" + kind)(mem, *op["args"])
-        elif kind == "pos_max":
-            ans["ret"] = L.llama_memory_seq_pos_max(mem, op["seq"])
-        elif kind == "pos_min":
-            ans["ret"] = L.llama_memory_seq_pos_min(mem, op["seq"])
-        elif kind == "clear":
-            L.llama_memory_clear(mem, True)
-        elif kind == "state_seq_get":
-            size = L.llama_state_seq_get_size(ctx, op["seq"])
-            buf = (ctypes.c_uint8 * max(size, 1))()
-            got = L.llama_state_seq_get_data(ctx, buf, size, op["seq"])
-            ans.update(size=size, blob=base64.b64encode(bytes(buf)[:got]).decode())
-        elif kind == "state_seq_set":
-            raw = base64.b64decode(op["blob"])
-            buf = (ctypes.c_uint8 * max(len(raw), 1)).from_buffer_copy(raw or b"\0")
-            ans["ret"] = L.llama_state_seq_set_data(ctx, buf, len(raw), op["seq"])
-        elif kind == "bench":
-            ans.update(_bench(L, ctx, mem, decode, op, n_vocab))
-        else:
-            ans["error"] = f"unknown op {kind!r}"
-        print(json.dumps(ans), flush=True)
-    L.llama_free(ctx)
-    L.llama_model_free(model)
-    return 0
+    return decode
+
+
+def _answer(L, ctx, mem, decode, op: dict, n_vocab: int) -> dict:  # pragma: no cover - oracle side
+    """Run one op of the spec; its answer."""
+    import ctypes
+
+    kind = op["op"]
+    ans: dict = {"op": kind}
+    if kind == "decode":
+        n = len(op["tokens"])
+        seqs = op.get("seq") or [[0]] * n
+        flags = op.get("logits") or [0] * (n - 1) + [1]
+        ret, arr = decode(op["tokens"], op["pos"], seqs, flags)
+        ans.update(ret=ret, logits=base64.b64encode(arr.tobytes()).decode(), n_vocab=n_vocab)
+    elif kind in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"):
+        ans["ret"] = getattr(L, "llama_memory_" + kind)(mem, *op["args"])
+    elif kind == "pos_max":
+        ans["ret"] = L.llama_memory_seq_pos_max(mem, op["seq"])
+    elif kind == "pos_min":
+        ans["ret"] = L.llama_memory_seq_pos_min(mem, op["seq"])
+    elif kind == "clear":
+        L.llama_memory_clear(mem, True)
+    elif kind == "state_seq_get":
+        size = L.llama_state_seq_get_size(ctx, op["seq"])
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        got = L.llama_state_seq_get_data(ctx, buf, size, op["seq"])
+        ans.update(size=size, blob=base64.b64encode(bytes(buf)[:got]).decode())
+    elif kind == "state_seq_set":
+        raw = base64.b64decode(op["blob"])
+        buf = (ctypes.c_uint8 * max(len(raw), 1)).from_buffer_copy(raw or b"\0")
+        ans["ret"] = L.llama_state_seq_set_data(ctx, buf, len(raw), op["seq"])
+    elif kind == "bench":
+        ans.update(_bench(L, ctx, mem, decode, op, n_vocab))
+    else:
+        ans["error"] = f"unknown op {kind!r}"
+    return ans
 
 
 def _bench(L, ctx, mem, decode, op, n_vocab):  # pragma: no cover - oracle side

@@ -1,8 +1,8 @@
 """Differential: the causal kq mask of every ubatch of every decode, llama.cpp's against ours, bit for bit.
 
-The traces are test_oracle_bookkeeping's (random decodes, removals, copies, shifts); llama.cpp takes each
-ubatch's mask right after its apply(), with n_kv = get_n_kv() and one mask stream per stream of the ubatch, and
-so do we (KVCacheContext.kq_mask after apply()).
+The traces are test_oracle_bookkeeping's, from bookkeeping_trace.py (random decodes, removals, copies, shifts);
+llama.cpp takes each ubatch's mask right after its apply(), with n_kv = get_n_kv() and one mask stream per stream
+of the ubatch, and so do we (KVCacheContext.kq_mask after apply()).
 """
 import numpy as np
 import pytest
@@ -10,9 +10,10 @@ import pytest
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus
 
+from bookkeeping_trace import CONFIGS as BOOKKEEPING_CONFIGS
+from bookkeeping_trace import make_trace
 from conftest import run_oracle
-from test_oracle_bookkeeping import CONFIGS as BOOKKEEPING_CONFIGS
-from test_oracle_bookkeeping import Tiny, make_trace
+from helpers import TINY_GGUF, ToyModel
 
 pytestmark = pytest.mark.oracle
 
@@ -43,7 +44,7 @@ def our_masks(kv, pos, seqs, n_ubatch, use_pos):
 
 def replay(cfg, ops):
     """Our masks for every decode of the trace (other ops replayed for their effect on the cells)."""
-    kv = KVCache(Tiny(), kv_size=cfg["kv_size"], n_seq_max=cfg["n_seq_max"], unified=cfg["unified"],
+    kv = KVCache(ToyModel(**TINY_GGUF), kv_size=cfg["kv_size"], n_seq_max=cfg["n_seq_max"], unified=cfg["unified"],
                  n_swa=cfg.get("n_swa", 0), swa_type=cfg.get("swa_type", 0))
     out = []
     for op in ops:

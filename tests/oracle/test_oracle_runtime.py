@@ -89,7 +89,8 @@ def run_both(path, params, ops):
 
 
 def compare(ours, theirs, tol=TOL):
-    for k, (a, b) in enumerate(zip(ours, theirs)):
+    assert len(ours) == len(theirs), f"{len(ours)} answers, llama.cpp {len(theirs)}"
+    for k, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert a["op"] == b["op"]
         if a["op"] == "decode":
             assert a["ret"] == b["ret"], f"op {k}: decode returned {a['ret']}, llama.cpp {b['ret']}"

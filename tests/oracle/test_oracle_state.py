@@ -21,19 +21,12 @@ import pytest
 from kvcache_ggml import _ggml as G
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus
-from kvcache_ggml.hparams import HParams
 from kvcache_ggml.state import load_seq_file, parse_state, save_seq_file
 
 from conftest import ORACLE_DIR, ORACLE_PY, ORACLE_SRC
+from helpers import TINY_GGUF, ToyModel
 
 pytestmark = pytest.mark.oracle
-
-
-class Tiny:  # the oracle's tiny.gguf: 2 layers, 4 heads of 16, 2 KV heads
-    hparams = HParams.simple(n_layer=2, n_embd_head=16, n_head=4, n_head_kv=2, n_vocab=64)
-
-    def dev_layer(self, il):
-        return None
 
 
 def run_py(code: str, payload: dict, timeout: int = 300) -> list[dict]:
@@ -92,7 +85,7 @@ def states(kv):
 
 def make_trace(rng, cfg, n_ops, every):
     """Ops generated against our cache, with a "state" checkpoint every ``every`` ops; (ops, our states)."""
-    kv = KVCache(Tiny(), kv_size=cfg["kv_size"], n_seq_max=cfg["n_seq_max"], unified=cfg["unified"],
+    kv = KVCache(ToyModel(**TINY_GGUF), kv_size=cfg["kv_size"], n_seq_max=cfg["n_seq_max"], unified=cfg["unified"],
                  v_trans=cfg["v_trans"], type_k=cfg["type_k"], type_v=cfg["type_v"], n_swa=cfg.get("n_swa", 0),
                  swa_type=cfg.get("swa_type", 0))
     n_seq = cfg["n_seq_max"]
@@ -235,7 +228,7 @@ LLAMA = textwrap.dedent("""
 
 
 def ours_cache(unified, flash_attn):
-    return KVCache(Tiny(), kv_size=256, n_seq_max=2, unified=unified, v_trans=not flash_attn)
+    return KVCache(ToyModel(**TINY_GGUF), kv_size=256, n_seq_max=2, unified=unified, v_trans=not flash_attn)
 
 
 @pytest.mark.parametrize("unified", [True, False], ids=["unified", "streams"])
