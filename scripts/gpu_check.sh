@@ -26,7 +26,8 @@
 #   bench      (extra, when time is left) python -m kvcache_ggml parity --bench: a model-sized cache's graph ops
 # Environment: GPU_CHECK_BACKEND=rpc builds ggml with CPU + RPC (no CUDA) and checks a loopback RPC server instead:
 # the dry run of the whole script on any machine. GPU_CHECK_PYTHON (python3), GPU_CHECK_WORK (.gpu_check),
-# CUDA_ARCH (90), GPU_CHECK_STEP_ARGS / GPU_CHECK_BENCH_ARGS (more options for step-times / parity --bench).
+# GPU_CHECK_CARRY (.carry), CUDA_ARCH (90), GPU_CHECK_STEP_ARGS / GPU_CHECK_BENCH_ARGS (more options for step-times /
+# parity --bench).
 # Results: $OUT (or ./gpu_check_results) gets gpu_check.md (the tables), gpu_check.log (every step's output),
 # ggml_build.log and ninja_log.txt (per-file compile times); the results are printed last. Exit status 0 when every
 # step but the extra one ran and passed.
@@ -40,7 +41,7 @@ BACKEND=${GPU_CHECK_BACKEND:-cuda}
 ARCH=${CUDA_ARCH:-90}
 PY=${GPU_CHECK_PYTHON:-python3}
 WORK=${GPU_CHECK_WORK:-$ROOT/.gpu_check}
-CARRY="$ROOT/.carry"
+CARRY=${GPU_CHECK_CARRY:-$ROOT/.carry}
 VENV="$WORK/venv"
 VPY="$VENV/bin/python"
 JOBS=$(nproc)
@@ -71,7 +72,7 @@ RES="$DEST/gpu_check.md"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 say() { echo "[gpu_check $(($(date +%s) - T0))s] $*" | tee -a "$LOG"; }
 declare -a STEPS=()
-step() { STEPS+=("| $1 | $2 | $3 s | $4 s |"); }   # name, status, seconds, limit
+step() { STEPS+=("| $1 | $2 | $3 s | $4 |"); }   # name, status, seconds, limit
 fail=0
 
 # run NAME LIMIT CMD... : with a time limit; output in $WORK/out/NAME.txt and the log; sets fail on failure
@@ -82,7 +83,7 @@ run() {
     : >"$out"
     if ((limit < 10)); then
         say "$name: skipped, time budget spent"
-        step "$name" "skipped (no time left)" 0 "$limit"
+        step "$name" "skipped (no time left)" 0 "$limit s"
         fail=1
         return 1
     fi
@@ -94,16 +95,16 @@ run() {
     { echo "---- $name (exit $rc)"; cat "$out"; } >>"$LOG"
     local dt=$(($(date +%s) - t))
     if ((rc == 124 || rc == 137)); then
-        step "$name" "TIMEOUT" "$dt" "$limit"
+        step "$name" "TIMEOUT" "$dt" "$limit s"
         say "$name: timed out after ${dt}s"
         fail=1
     elif ((rc != 0)); then
-        step "$name" "exit $rc" "$dt" "$limit"
+        step "$name" "exit $rc" "$dt" "$limit s"
         say "$name: exit $rc after ${dt}s; last lines:"
         tail -n 15 "$out" | tee -a "$LOG"
         fail=1
     else
-        step "$name" ok "$dt" "$limit"
+        step "$name" ok "$dt" "$limit s"
         say "$name: ok in ${dt}s"
     fi
     return $rc
@@ -132,10 +133,10 @@ fi
 command -v cmake >/dev/null || "$PY" -c 'import cmake' 2>/dev/null || missing+=("cmake (on PATH or the cmake package)")
 if ((${#missing[@]})); then
     for m in "${missing[@]}"; do say "missing: $m"; done
-    step preflight "missing: $(IFS=';'; echo "${missing[*]}")" "$(($(date +%s) - T0))" 0
+    step preflight "missing: $(IFS=';'; echo "${missing[*]}")" "$(($(date +%s) - T0))" -
     fail=1
 else
-    step preflight ok "$(($(date +%s) - T0))" 0
+    step preflight ok "$(($(date +%s) - T0))" -
 fi
 WHEELS=() SDIST=""
 for f in $FILES; do
@@ -184,7 +185,7 @@ build_ggml() {
         args=$("$PY" build.py cmake-args) || return 1   # CPU + RPC, the defaults
     fi
     key="$(sha256sum "$SDIST" | cut -c1-64) $args"
-    stamp="$WORK/ggml-$BACKEND.stamp"
+    stamp="$WORK/ggml.stamp"   # what the venv's ggml-python was built from
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]] && "$VPY" -c 'import ggml' 2>/dev/null; then
         echo "ggml-python already built with CMAKE_ARGS=$args"
         return 0
@@ -224,7 +225,7 @@ if ((BUILD_OK)); then
     [[ "$BACKEND" == cuda ]] || want="backends: .*RPC"
     if ! grep -q "$want" "$WORK/out/devices.txt"; then
         say "the build lists no '$want' (see devices in the log)"
-        step "devices" "no '$want' listed" 0 0
+        step "devices" "no '$want' listed" 0 -
         BUILD_OK=0
         fail=1
     fi
@@ -244,7 +245,7 @@ if ((BUILD_OK)); then
             --threads "$JOBS" --bench-reps 3 ${GPU_CHECK_BENCH_ARGS:-}
         fail=$saved   # the extra step informs; it does not decide pass or fail
     else
-        step bench "skipped (extra; under 60 s left)" 0 0
+        step bench "skipped (extra; under 60 s left)" 0 -
     fi
 fi
 

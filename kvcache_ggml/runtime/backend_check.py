@@ -44,7 +44,7 @@ from .context import Context
 from .model import Model
 from .modelmaker import ModelSpec, make_model
 
-__all__ = ["RunConfig", "CONFIGS", "MODELS", "TIMING_MODEL", "ParityRow", "StepRow", "logit_tolerance",
+__all__ = ["RunConfig", "CONFIGS", "MODELS", "TIMING_MODEL", "ParityRow", "Lockstep", "StepRow", "logit_tolerance",
            "placed_model", "runtime_parity", "parity_table", "step_times", "steps_table", "main_parity",
            "main_step_times"]
 
@@ -130,7 +130,7 @@ class ParityRow:
         return not self.failures and self.rel_err <= self.tolerance and self.agree + self.ambiguous == self.rows
 
 
-class _Lockstep:
+class Lockstep:
     """Two contexts fed the same batches; every logit row compared as it comes."""
 
     def __init__(self, ref: Context, dev: Context, row: ParityRow) -> None:
@@ -169,7 +169,7 @@ class _Lockstep:
             c.state_set_data(blob)
 
 
-def _scenario(ls: _Lockstep, vocab: int, seed: int) -> None:
+def _scenario(ls: Lockstep, vocab: int, seed: int) -> None:
     """Prompts, a fork, greedy steps with a context shift, a state round trip (see the module docstring)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, vocab, n).astype(np.int32) for n in _PROMPTS]
@@ -216,7 +216,7 @@ def runtime_parity(backend: str, folder: Path, threads: int = 1,
                 row = ParityRow(key, cfg.name, logit_tolerance(spec.type, cfg.type_kv), devices=_devices(dev_model))
                 t0 = time.perf_counter()
                 with _context(ref_model, cfg, threads) as ref, _context(dev_model, cfg, threads) as dev:
-                    _scenario(_Lockstep(ref, dev, row), spec.vocab, spec.seed)
+                    _scenario(Lockstep(ref, dev, row), spec.vocab, spec.seed)
                 row.seconds = time.perf_counter() - t0
                 rows.append(row)
     return rows
