@@ -121,16 +121,27 @@ fi
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -n 1)
 NVCC=$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' | head -n 1)
 PYV=$("$PY" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null)
+PIPV=$("$PY" -m pip --version 2>/dev/null | awk '{print $2}')
 say "backend $BACKEND; GPU: ${GPU:-none found by nvidia-smi}; nvcc: ${NVCC:-not found}; python3: ${PYV:-not found}" \
-    "($(command -v "$PY")); $JOBS cores; budget ${BUDGET}s"
+    "($(command -v "$PY"), pip ${PIPV:-none}); $JOBS cores; budget ${BUDGET}s"
 missing=()
 [[ -n "$PYV" ]] || missing+=("$PY (python3)")
+# pip >= 22.3 installs into another interpreter (--python): the venv needs no pip of its own
+[[ -n "$PIPV" && "$(printf '22.3\n%s\n' "$PIPV" | sort -V | head -n 1)" == 22.3 ]] ||
+    missing+=("pip >= 22.3 for $PY (found: ${PIPV:-none})")
 FILES=$(carried_files 2>>"$LOG") || missing+=(".carry/ matching its MANIFEST (python3 build.py carry)")
 if [[ "$BACKEND" == cuda ]]; then
     [[ -n "$GPU" ]] || missing+=("an NVIDIA GPU (nvidia-smi finds none)")
     [[ -n "$NVCC" ]] || missing+=("nvcc (CUDA toolkit)")
 fi
 command -v cmake >/dev/null || "$PY" -c 'import cmake' 2>/dev/null || missing+=("cmake (on PATH or the cmake package)")
+# the ggml build's CMAKE_ARGS (for CUDA: where cuBLAS and the driver library are; build.py says what is missing)
+if [[ "$BACKEND" == cuda ]]; then
+    GGML_ARGS=$("$PY" build.py --cuda --cuda-arch "$ARCH" cmake-args 2>>"$LOG") ||
+        missing+=("$(tail -n 1 "$LOG" | sed 's/^build.py: error: //')")
+else
+    GGML_ARGS=$("$PY" build.py cmake-args 2>>"$LOG")   # CPU + RPC, the defaults
+fi
 if ((${#missing[@]})); then
     for m in "${missing[@]}"; do say "missing: $m"; done
     step preflight "missing: $(IFS=';'; echo "${missing[*]}")" "$(($(date +%s) - T0))" -
@@ -178,12 +189,7 @@ fi
 
 # ---- ggml-python ----------------------------------------------------------------------------------------------
 build_ggml() {
-    local args src stamp key
-    if [[ "$BACKEND" == cuda ]]; then
-        args=$("$PY" build.py --cuda --cuda-arch "$ARCH" cmake-args) || return 1
-    else
-        args=$("$PY" build.py cmake-args) || return 1   # CPU + RPC, the defaults
-    fi
+    local args=$GGML_ARGS src stamp key
     key="$(sha256sum "$SDIST" | cut -c1-64) $args"
     stamp="$WORK/ggml.stamp"   # what the venv's ggml-python was built from
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" ]] && "$VPY" -c 'import ggml' 2>/dev/null; then
@@ -206,7 +212,7 @@ build_ggml() {
     return $rc
 }
 
-export SDIST
+export SDIST GGML_ARGS
 export -f build_ggml
 
 BUILD_OK=0
