@@ -216,8 +216,11 @@ def runtime_parity(backend: str, folder: Path, threads: int = 1,
                     continue
                 row = ParityRow(key, cfg.name, logit_tolerance(spec.type, cfg.type_kv), devices=_devices(dev_model))
                 t0 = time.perf_counter()
-                with _context(ref_model, cfg, threads) as ref, _context(dev_model, cfg, threads) as dev:
-                    _scenario(Lockstep(ref, dev, row), spec.vocab, spec.seed)
+                try:
+                    with _context(ref_model, cfg, threads) as ref, _context(dev_model, cfg, threads) as dev:
+                        _scenario(Lockstep(ref, dev, row), spec.vocab, spec.seed)
+                except Exception as e:  # noqa: BLE001 -- a failed decode fails this row; the others still run
+                    row.failures.append(f"after {row.steps} steps: {type(e).__name__}: {e}")
                 row.seconds = time.perf_counter() - t0
                 rows.append(row)
     return rows
@@ -299,6 +302,8 @@ def step_times(backends: Sequence[str], folder: Path, n_seqs: Sequence[int] = (1
                 rows += [_time_steps(model, backend, n, n_prompt, n_gen, threads) for n in n_seqs]
         except PlacementError as e:
             skipped.append((backend, str(e)))
+        except Exception as e:  # noqa: BLE001 -- the other backends' rows still come
+            skipped.append((backend, f"failed: {type(e).__name__}: {e}"))
     return rows, skipped
 
 
