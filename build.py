@@ -4,11 +4,19 @@
     python3 build.py [build options]                     set up .venv/ only
     python3 build.py [build options] test [pytest args]  set up, then .venv/bin/python -m pytest ...
     python3 build.py [build options] demo [demo args]    set up, then .venv/bin/python -m kvcache_ggml demo ...
+    python3 build.py carry                               fill .carry/ only (no set-up): the GPU check's payload
+    python3 build.py [build options] cmake-args          print the CMAKE_ARGS a ggml build with these options uses
 
 Set-up: creates .venv/, installs the build dependencies, downloads the pinned ggml-python source package into
 vendor/, unpacks it under vendor/ggml/, builds and installs it with the requested ggml backends (CPU always, RPC by
-default), then installs this project editable with its test extra (`test` adds the notebooks extra). A stamp file
-in .venv/ records what was done; a re-run with the same flags does nothing. Standard library only.
+default), then installs this project editable with its test extra (`test` adds the notebooks extra), and fills .carry/ (see
+below). A stamp file in .venv/ records what was done; a re-run with the same flags does nothing. Standard library
+only.
+
+.carry/ (git-ignored) is what scripts/gpu_check.sh installs on a GPU machine with no network: the pinned ggml-python
+source package and the pure-Python wheels that machine's image lacks (CARRY_WHEELS), with MANIFEST, in
+`sha256sum -c` format, listing them in install order. `carry` also prints the payload that travels with the
+repository to such a machine (tracked files + .carry/) against its 64 MiB limit.
 """
 from __future__ import annotations
 
@@ -49,7 +57,19 @@ CMAKE_MIN = (3, 21)  # ggml-python's CMakeLists.txt requires 3.21
 COMMAND_EXTRAS = {None: ("test",), "test": ("test", "notebooks"), "demo": ("test",)}
 STAMP_SCHEMA = 1
 GGML_RECIPE = 2  # bump when the way ggml-python is built changes: forces one rebuild
-COMMANDS = ("test", "demo")
+COMMANDS = ("test", "demo", "carry", "cmake-args")
+
+# the GPU check's offline payload (scripts/gpu_check.sh, docs/parity.md)
+CARRY = ROOT / ".carry"
+CARRY_MANIFEST = CARRY / "MANIFEST"
+CARRY_PYTHON = "3.12"  # the GPU machine's python3 (the wheels must be pure Python or built for it)
+# pure-Python wheels the GPU machine's image lacks: what kvcache_ggml imports at run time besides numpy and ggml
+CARRY_WHEELS = ("gguf==0.19.0",)
+# what the GPU machine's image provides (its package list) that the carried packages, the build of ggml-python and
+# the project need: a carried package requiring anything else must be carried too (tests/test_gpu_check.py checks)
+IMAGE_PACKAGES = ("numpy", "pyyaml", "requests", "tqdm", "typing-extensions", "scikit-build-core", "setuptools",
+                  "packaging", "pathspec", "cmake", "ninja", "pytest", "hypothesis")
+PAYLOAD_LIMIT = 64 * 2**20  # bytes that may travel to the GPU machine: tracked files + carried paths
 NETWORK_HINTS = (
     "NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
     "Name or service not known", "Network is unreachable", "ConnectionError", "ReadTimeoutError",
@@ -87,7 +107,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[st
     split = next((i for i, a in enumerate(argv) if a in COMMANDS), len(argv))
     ours, command, rest = argv[:split], (argv[split] if split < len(argv) else None), argv[split + 1:]
     p = argparse.ArgumentParser(prog="build.py", description=__doc__.split("\n\n")[0],
-                                epilog="commands: test [pytest args...], demo [demo args...]")
+                                epilog="commands: test [pytest args...], demo [demo args...], carry, cmake-args")
     p.add_argument("--cuda", action="store_true", help="build the CUDA backend")
     p.add_argument("--cuda-arch", default="", metavar="N", help="CMAKE_CUDA_ARCHITECTURES (with --cuda)")
     p.add_argument("--metal", action="store_true", help="build the Metal backend")
@@ -126,8 +146,8 @@ def run_logged(cmd: list[str], what: str, env: dict[str, str] | None = None, log
     say(f"{what}: done in {time.monotonic() - t0:.1f} s")
 
 
-def pip(*args: str) -> list[str]:
-    return [str(VENV_PY), "-m", "pip", "--disable-pip-version-check", *args]
+def pip(*args: str, python: Path | str = VENV_PY) -> list[str]:
+    return [str(python), "-m", "pip", "--disable-pip-version-check", *args]
 
 
 # ---- checks of the host -------------------------------------------------------------------------------------
@@ -218,13 +238,13 @@ def stage_venv(stamp: dict) -> dict:
     return stamp
 
 
-def fetch_sdist() -> None:
+def fetch_sdist(python: Path | str = VENV_PY) -> None:
     if SDIST.exists() and file_sha256(SDIST) == GGML_PYTHON_SHA256:
         return
     VENDOR.mkdir(exist_ok=True)
     say(f"downloading the ggml-python {GGML_PYTHON_VERSION} source package into {VENDOR.relative_to(ROOT)}/")
     run_logged(pip("download", "--no-deps", "--no-binary", ":all:", f"ggml-python=={GGML_PYTHON_VERSION}",
-                   "-d", str(VENDOR)), "download of ggml-python")
+                   "-d", str(VENDOR), python=python), "download of ggml-python")
     if not SDIST.exists():
         raise SetupError(f"pip did not leave {SDIST.relative_to(ROOT)} (files in vendor/: "
                          f"{sorted(p.name for p in VENDOR.iterdir())})")
@@ -267,7 +287,7 @@ def stage_ggml(stamp: dict, flags: BuildFlags, jobs: int) -> dict:
     stage_sources()
     # GIT_CEILING_DIRECTORIES: ggml's CMakeLists asks git for its commit; without a ceiling git would find and
     # report this project's repository
-    env = dict(os.environ, CMAKE_ARGS=flags.cmake_args(), CMAKE_BUILD_PARALLEL_LEVEL=str(jobs),
+    env = dict(os.environ, CMAKE_ARGS=build_cmake_args(flags), CMAKE_BUILD_PARALLEL_LEVEL=str(jobs),
                GIT_CEILING_DIRECTORIES=str(VENDOR))
     say(f"building ggml-python {GGML_PYTHON_VERSION} ({', '.join(flags.backends())}) with {jobs} job(s), "
         f"CMAKE_ARGS={env['CMAKE_ARGS']!r}; log: {BUILD_LOG.relative_to(ROOT)}")
@@ -292,6 +312,209 @@ def stage_project(stamp: dict, extras: tuple[str, ...]) -> dict:
     stamp = {**stamp, "project": key, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
     write_stamp(stamp)
     return stamp
+
+
+# ---- the GPU check's payload: .carry/ ---------------------------------------------------------------------------
+
+def carry_plan() -> list[str]:
+    """File names of .carry/ in install order: the pure-Python wheels (CARRY_WHEELS), then the ggml-python sdist."""
+    names = []
+    for req in CARRY_WHEELS:
+        name, _, version = req.partition("==")
+        names.append(f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-py3-none-any.whl")
+    return names + [SDIST.name]
+
+
+def read_manifest(folder: Path = CARRY) -> list[tuple[str, str]]:
+    """(sha256, file name) of each line of folder/MANIFEST, in order; [] when there is none."""
+    try:
+        text = (folder / "MANIFEST").read_text()
+    except OSError:
+        return []
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        m = re.fullmatch(r"([0-9a-f]{64})  ([\w.+-]+)", line)
+        if not m:
+            raise SetupError(f"{folder / 'MANIFEST'} line {i} is not '<sha256>  <file name>': {line!r}")
+        out.append((m.group(1), m.group(2)))
+    return out
+
+
+def write_manifest(folder: Path, names: list[str]) -> None:
+    lines = [f"{file_sha256(folder / n)}  {n}\n" for n in names]
+    tmp = folder / "MANIFEST.tmp"
+    tmp.write_text("".join(lines))
+    tmp.replace(folder / "MANIFEST")
+
+
+def carry_complete() -> bool:
+    """.carry/ holds exactly the planned files, each with the sha256 its MANIFEST gives."""
+    plan = carry_plan()
+    entries = read_manifest()
+    if [n for _, n in entries] != plan or sorted(p.name for p in CARRY.iterdir()) != sorted(plan + ["MANIFEST"]):
+        return False
+    return all(file_sha256(CARRY / n) == h for h, n in entries)
+
+
+def stage_carry(python: Path | str) -> bool:
+    """Fill .carry/ with the planned files and MANIFEST (downloads with `python -m pip`); True when it did work."""
+    if CARRY.is_dir() and carry_complete():
+        return False
+    plan = carry_plan()
+    fetch_sdist(python)
+    CARRY.mkdir(exist_ok=True)
+    for req, fname in zip(CARRY_WHEELS, plan):
+        if (CARRY / fname).exists():
+            continue
+        dl = CARRY / ".download"
+        shutil.rmtree(dl, ignore_errors=True)
+        run_logged(pip("download", "--no-deps", "--only-binary=:all:", "--python-version", CARRY_PYTHON, "-d",
+                       str(dl), req, python=python), f"download of {req} (Python {CARRY_PYTHON})")
+        got = sorted(p.name for p in dl.iterdir())
+        if got != [fname]:
+            raise SetupError(f"downloading {req} gave {got}, not the pure-Python wheel {fname}: the GPU machine "
+                             f"needs wheels that install on its Python {CARRY_PYTHON} without building")
+        (dl / fname).replace(CARRY / fname)
+        dl.rmdir()
+    if not (CARRY / SDIST.name).exists() or file_sha256(CARRY / SDIST.name) != GGML_PYTHON_SHA256:
+        shutil.copyfile(SDIST, CARRY / SDIST.name)
+    for p in CARRY.iterdir():  # one version of each package: two would stop the whole install
+        if p.name not in plan:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    write_manifest(CARRY, plan)
+    say(f"filled {CARRY.relative_to(ROOT)}/: {', '.join(plan)}")
+    return True
+
+
+def payload_sizes() -> tuple[int, int]:
+    """(bytes of the files that travel with the repository -- tracked and untracked-not-ignored --, bytes of .carry/)."""
+    proc = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if proc.returncode != 0:
+        raise SetupError(f"git ls-files failed: {proc.stderr.decode().strip()}")
+    tree = 0
+    for rel in filter(None, proc.stdout.decode().split("\0")):
+        with contextlib.suppress(OSError):
+            tree += (ROOT / rel).lstat().st_size
+    carried = sum(p.stat().st_size for p in CARRY.iterdir() if p.is_file()) if CARRY.is_dir() else 0
+    return tree, carried
+
+
+def main_carry() -> int:
+    """`build.py carry`: fill .carry/ with this Python's pip (no .venv/ needed), then print what travels."""
+    did = stage_carry(sys.executable)
+    tree, carried = payload_sizes()
+    mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+    for h, n in read_manifest():
+        say(f"  {n}  {mib((CARRY / n).stat().st_size)}  sha256 {h[:16]}...")
+    total = tree + carried
+    say(f"{'filled' if did else 'up to date'}: .carry/ {mib(carried)} + repository files {mib(tree)} = "
+        f"{mib(total)} of {mib(PAYLOAD_LIMIT)}")
+    if total > PAYLOAD_LIMIT:
+        raise SetupError(f"the payload is {mib(total)}, over the {mib(PAYLOAD_LIMIT)} a GPU machine takes")
+    return 0
+
+
+# ---- CUDA libraries -----------------------------------------------------------------------------------------
+
+def _cuda_roots() -> list[Path]:
+    found = [os.environ.get(v, "") for v in ("CUDA_HOME", "CUDA_PATH", "CUDAToolkit_ROOT")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        found.append(str(Path(nvcc).resolve().parent.parent))
+    found.append("/usr/local/cuda")
+    roots: list[Path] = []
+    for r in filter(None, found):
+        p = Path(r).resolve()
+        if p.is_dir() and p not in roots:
+            roots.append(p)
+    return roots
+
+
+def _cuda_dirs(roots: list[Path], sub: str) -> list[Path]:
+    """root/sub and root/targets/*/sub of every toolkit root (sub: include, lib64, lib)."""
+    return [d for r in roots for d in [r / sub, *sorted((r / "targets").glob(f"*/{sub}"))] if d.is_dir()]
+
+
+def _nvcc_major() -> str:
+    out = subprocess.run(["nvcc", "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True).stdout \
+        if shutil.which("nvcc") else ""
+    m = re.search(r"release (\d+)\.", out)
+    return m.group(1) if m else ""
+
+
+def _wheel_cublas() -> tuple[Path, Path] | None:
+    """(include dir, lib dir) of NVIDIA's cuBLAS wheel on this Python's path (torch installs it), or None."""
+    major = _nvcc_major()
+    subs = ([f"nvidia/cu{major}"] if major else []) + ["nvidia/cu13", "nvidia/cu12", "nvidia/cublas"]
+    for base in dict.fromkeys(Path(p).resolve() for p in sys.path if p and Path(p).is_dir()):
+        for sub in subs:
+            inc, lib = base / sub / "include", base / sub / "lib"
+            if (inc / "cublas_v2.h").exists() and any(lib.glob("libcublas.so.*")):
+                return inc, lib
+    return None
+
+
+def _system_libcuda() -> Path | None:
+    """The NVIDIA driver's libcuda.so.1 (ld cache, then the usual folders), or None on a machine without one."""
+    out = subprocess.run(["ldconfig", "-p"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout \
+        if shutil.which("ldconfig") else ""
+    m = re.search(r"\blibcuda\.so\.1 \(libc6,x86-64[^)]*\) => (\S+)", out)
+    if m:
+        return Path(m.group(1))
+    for d in ("/usr/local/nvidia/lib64", "/usr/local/nvidia/lib", "/usr/lib/x86_64-linux-gnu", "/usr/lib64",
+              "/usr/lib/wsl/lib"):
+        if (Path(d) / "libcuda.so.1").exists():
+            return Path(d) / "libcuda.so.1"
+    return None
+
+
+def _link(link: Path, target: Path) -> Path:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target)
+    return link
+
+
+def cuda_library_args(links: Path) -> list[str]:
+    """CMake arguments that let ggml's CUDA backend find cuBLAS and the driver library where the toolkit lacks them.
+
+    A toolkit assembled from NVIDIA's pip wheels (nvcc and cudart only, as on this project's machines) has neither
+    cuBLAS nor the driver's link stub. cuBLAS then comes from the nvidia-cublas wheel on this Python's path (torch
+    brings it): unversioned links in `links` for the linker, its folder in the libraries' RUNPATH for the loader.
+    The driver: the system's libcuda.so.1, or -- on a machine without a driver -- ggml's CUDA backend without VMM
+    (its only user of the driver API). NCCL is off (one GPU; ggml would link any it finds).
+    """
+    roots = _cuda_roots()
+    incs, libs = _cuda_dirs(roots, "include"), _cuda_dirs(roots, "lib64") + _cuda_dirs(roots, "lib")
+    args, rpath = ["-DGGML_CUDA_NCCL=OFF"], []
+    if not (any((d / "cublas_v2.h").exists() for d in incs) and any((d / "libcublas.so").exists() for d in libs)):
+        wheel = _wheel_cublas()
+        if wheel is None:
+            raise SetupError(f"cuBLAS not found (no cublas_v2.h + libcublas.so in the CUDA toolkit at "
+                             f"{', '.join(map(str, roots)) or '?'}, no nvidia-cublas wheel on {sys.executable}'s "
+                             f"path): ggml's CUDA backend links it")
+        inc, lib = wheel
+        for name in ("cublas", "cublasLt"):
+            real = sorted(lib.glob(f"lib{name}.so.*"))[0]
+            args.append(f"-DCUDA_{name}_LIBRARY={_link(links / f'lib{name}.so', real)}")
+        args += [f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+        rpath.append(str(lib))
+    if not any((d / "libcuda.so").exists() for d in libs + [d / "stubs" for d in libs]):
+        drv = _system_libcuda()
+        args.append(f"-DCUDA_cuda_driver_LIBRARY={_link(links / 'libcuda.so', drv)}" if drv
+                    else "-DGGML_CUDA_NO_VMM=ON")
+    rpath += [str(d) for d in libs if any(d.glob("libcudart.so.*"))][:1]  # cudart, when no ld cache lists it
+    if rpath:
+        args.append(f"-DCMAKE_SHARED_LINKER_FLAGS=-Wl,-rpath,{':'.join(rpath)}")
+    return args
+
+
+def build_cmake_args(flags: BuildFlags) -> str:
+    """CMAKE_ARGS of a ggml build with these flags on this machine (flags + CUDA library locations)."""
+    extra = cuda_library_args(VENDOR / "cuda-links") if flags.cuda else []
+    return " ".join([flags.cmake_args(), *extra])
 
 
 @contextlib.contextmanager
@@ -319,7 +542,8 @@ def setup(flags: BuildFlags, jobs: int, extras: tuple[str, ...] = COMMAND_EXTRAS
         stamp = stage_ggml(stamp, flags, jobs)
         fetched = stage_sources()
         stamp = stage_project(stamp, extras)
-    return stamp != before or fetched
+        carried = stage_carry(VENV_PY)
+    return stamp != before or fetched or carried
 
 
 def summary() -> None:
@@ -338,6 +562,11 @@ def main(argv: list[str]) -> int:
                        rpc=args.rpc)
     t0 = time.monotonic()
     try:
+        if command == "carry":
+            return main_carry()
+        if command == "cmake-args":
+            print(build_cmake_args(flags))
+            return 0
         did_work = setup(flags, args.jobs, COMMAND_EXTRAS[command])
         if did_work:
             say(f"set-up finished in {time.monotonic() - t0:.1f} s")

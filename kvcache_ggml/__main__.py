@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "make-model": ("kvcache_ggml.runtime.modelmaker", "main", "write a tiny random-weight llama GGUF"),
     "rpc-server": ("kvcache_ggml.backends", "main_rpc_server", "serve a ggml RPC backend"),
     "parity": ("kvcache_ggml.parity", "main", "replay one trace on every backend and compare with the CPU"),
+    "runtime-parity": ("kvcache_ggml.runtime.backend_check", "main_parity",
+                       "the runtime on a backend against the CPU: logits and greedy tokens"),
+    "step-times": ("kvcache_ggml.runtime.backend_check", "main_step_times",
+                   "host time per decode step beside the backend's compute time"),
 }
 
 
@@ -29,7 +33,7 @@ def info(argv: list[str]) -> int:
 
 def usage() -> str:
     lines = ["usage: python -m kvcache_ggml COMMAND [args...]", "", "commands:"]
-    lines += [f"  {name:<12} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  {name:<15} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 

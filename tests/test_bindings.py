@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import ctypes
+import inspect
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import ggml as ggml_python  # ggml-python's own (unmodified) declarations, to test the checker against
 import numpy as np
@@ -17,7 +19,9 @@ from kvcache_ggml import _ggml as G
 ROOT = Path(__file__).resolve().parents[1]
 POINTER_SIZE = ctypes.sizeof(ctypes.c_void_p)
 WRONG_IN_GGML_PYTHON = ("ggml_backend_cpu_buffer_type", "ggml_backend_alloc_buffer",
-                        "ggml_backend_cpu_buffer_from_ptr", "ggml_backend_sched_get_tensor_backend")
+                        "ggml_backend_cpu_buffer_from_ptr", "ggml_backend_sched_get_tensor_backend",
+                        "ggml_backend_vk_buffer_type", "ggml_backend_vk_host_buffer_type")
+VULKAN_ONLY = ("ggml_backend_vk_buffer_type", "ggml_backend_vk_host_buffer_type")
 
 
 # ---- the C headers ------------------------------------------------------------------------------------------
@@ -157,6 +161,20 @@ def headers() -> Headers:
     return Headers(include_dir())
 
 
+def upstream_declaration(name: str) -> SimpleNamespace:
+    """ggml-python's declaration of a C function (restype, argtypes), also for a function of a backend that is not
+    built: ggml-python then exports a Python stub, and the declaration is read from its decorator in the source."""
+    fn = getattr(ggml_python, name)
+    if hasattr(fn, "restype"):
+        return SimpleNamespace(restype=fn.restype, argtypes=list(fn.argtypes or []))
+    from ggml import ggml as decl_module
+    source = inspect.getsource(decl_module)
+    m = re.search(r'@ggml_function\(\s*"' + name + r'",\s*(\[[^\]]*\]),\s*([\w.]+)\s*[,)]', source)
+    assert m, f"no @ggml_function declaration of {name} in ggml-python's source"
+    namespace = vars(decl_module)
+    return SimpleNamespace(restype=eval(m.group(2), namespace), argtypes=eval(m.group(1), namespace))
+
+
 def test_header_parser_reads_known_prototypes(headers):
     ret, params, variadic = headers.prototype("ggml_view_4d")
     assert ret == "struct ggml_tensor *" and len(params) == 10 and not variadic
@@ -176,11 +194,28 @@ def test_table_declaration_matches_header(name, headers):
 
 @pytest.mark.parametrize("name", WRONG_IN_GGML_PYTHON)
 def test_checker_flags_ggml_python_declaration(name, headers):
-    upstream = getattr(ggml_python, name)
-    assert upstream is not G.FUNCTIONS[name]  # ours is a separate function object
+    upstream = upstream_declaration(name)
+    if name in G.FUNCTIONS:
+        assert getattr(ggml_python, name) is not G.FUNCTIONS[name]  # ours is a separate function object
     assert not G.is_ctypes_type(upstream.restype)  # ggml-python 0.0.45: a typing.NewType
     problems = declaration_problems(name, upstream, headers)
     assert problems and problems[0].startswith("restype:"), problems
+
+
+@pytest.mark.parametrize("name", sorted(G.REDECLARED))
+def test_redeclarations_match_headers(name, headers):
+    """Our declarations, also of functions this build lacks (Vulkan's): what the table would give them."""
+    restype, argtypes = G.REDECLARED[name]
+    assert declaration_problems(name, SimpleNamespace(restype=restype, argtypes=list(argtypes)), headers) == []
+
+
+def test_vulkan_functions_are_optional():
+    """Declared in the table when libggml-vulkan is built (`build.py --vulkan`), absent otherwise."""
+    assert set(VULKAN_ONLY) <= set(G.OPTIONAL)
+    for name in VULKAN_ONLY:
+        assert G.has(name) == ("ggml-vulkan" in G.LIBRARIES)
+        if G.has(name):
+            assert G.DEFINED_IN[name] == "ggml-vulkan" and G.FUNCTIONS[name].restype is ctypes.c_void_p
 
 
 def test_checker_flags_other_wrong_declarations(headers):
@@ -196,7 +231,9 @@ def test_checker_flags_other_wrong_declarations(headers):
 
 
 def test_redeclared_is_exactly_what_ggml_python_gets_wrong(headers):
-    wrong = {n for n in G.FUNCTIONS if declaration_problems(n, getattr(ggml_python, n), headers)}
+    # every function of the table, built in this ggml or not
+    names = G.REQUIRED + G.OPTIONAL
+    wrong = {n for n in names if declaration_problems(n, upstream_declaration(n), headers)}
     assert wrong == set(G.REDECLARED)
     assert set(WRONG_IN_GGML_PYTHON) <= wrong
 

@@ -96,12 +96,14 @@ REQUIRED: tuple[str, ...] = (
     "ggml_backend_reg_count", "ggml_backend_reg_get", "ggml_backend_reg_name", "ggml_backend_reg_by_name",
     "ggml_backend_reg_dev_count", "ggml_backend_reg_dev_get",
 )
-# Present only when the library that defines them is built (RPC: `build.py --rpc`, the default).
+# Present only when the library that defines them is built (RPC: `build.py --rpc`, the default; Vulkan:
+# `build.py --vulkan`).
 OPTIONAL: tuple[str, ...] = (
     "ggml_backend_load_all",
     "ggml_backend_rpc_init", "ggml_backend_is_rpc", "ggml_backend_rpc_buffer_type",
     "ggml_backend_rpc_get_device_memory", "ggml_backend_rpc_start_server", "ggml_backend_rpc_reg",
     "ggml_backend_rpc_add_server",
+    "ggml_backend_vk_buffer_type", "ggml_backend_vk_host_buffer_type",
 )
 
 _vp, _sz = ctypes.c_void_p, ctypes.c_size_t
@@ -116,6 +118,10 @@ REDECLARED: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_backend_cpu_buffer_from_ptr": (_vp, (_vp, _sz)),
     # ggml_backend_t ggml_backend_sched_get_tensor_backend(ggml_backend_sched_t sched, struct ggml_tensor * node)
     "ggml_backend_sched_get_tensor_backend": (_vp, (_vp, TensorP)),
+    # ggml-vulkan.h: ggml_backend_buffer_type_t ggml_backend_vk_buffer_type(size_t dev_num)
+    "ggml_backend_vk_buffer_type": (_vp, (_sz,)),
+    # ggml-vulkan.h: ggml_backend_buffer_type_t ggml_backend_vk_host_buffer_type(void)
+    "ggml_backend_vk_host_buffer_type": (_vp, ()),
 }
 
 _CTYPES_BASES = (ctypes._SimpleCData, ctypes._Pointer, ctypes.Structure, ctypes.Union, ctypes.Array,
