@@ -9,7 +9,7 @@ Other modules do `from kvcache_ggml import _ggml as G` and then:
 Handles are ints (contexts, buffers, buffer types, backends, devices) or `G.TensorP` pointers (tensors).
 """
 from ._lib import (DEFINED_IN, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, REDECLARED, REQUIRED, CgraphP,
-                   TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
+                   EvalCallback, TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
 from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_SRC, GGML_MEM_ALIGN,
                      GGML_OP_COUNT, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_NEOX,
                      GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, DeviceType, GGMLOp, GGMLType,
@@ -26,7 +26,7 @@ globals().update(FUNCTIONS)  # every C function of the table as a module attribu
 
 __all__ = sorted(FUNCTIONS) + [
     "DEFINED_IN", "FUNCTIONS", "GGML_PYTHON_VERSION", "LIBRARIES", "OPTIONAL", "REDECLARED", "REQUIRED", "CgraphP",
-    "TensorP", "ggml_init_params", "ggml_tensor", "has", "is_ctypes_type",
+    "EvalCallback", "TensorP", "ggml_init_params", "ggml_tensor", "has", "is_ctypes_type",
     "GGML_DEFAULT_GRAPH_SIZE", "GGML_MAX_DIMS", "GGML_MAX_NAME", "GGML_MAX_SRC", "GGML_MEM_ALIGN", "GGML_OP_COUNT",
     "GGML_ROPE_TYPE_IMROPE", "GGML_ROPE_TYPE_MROPE", "GGML_ROPE_TYPE_NEOX", "GGML_ROPE_TYPE_NORMAL",
     "GGML_ROPE_TYPE_VISION", "GGML_TYPE_COUNT", "DeviceType", "GGMLOp", "GGMLType", "Status", "blck_size",

@@ -13,7 +13,9 @@ n_threads}, "ops": [...]}`` with ops ``{"op": "decode", "tokens", "pos", "seq" (
 (answer: ``ret`` and ``logits`` base64 float32 rows of the output tokens, batch order), ``seq_rm/seq_cp/seq_keep/
 seq_add/seq_div`` (``args``), ``pos_min/pos_max`` (``seq``), ``clear``, ``state_seq_get`` (``seq``; answer ``blob``
 base64), ``state_seq_set`` (``seq``, ``blob``), ``bench`` (``prompt``, ``n_gen``, ``n_par``, ``reps``; answer
-seconds).
+seconds).  With ``"trace": true`` in params every decode answer also has ``nodes``: ``[name, ggml type,
+base64 data]`` of each named, contiguous, non-view node in compute order, from llama.cpp's ``cb_eval`` (compare
+with :class:`~kvcache_ggml.runtime.trace.NodeTrace`).
 """
 from __future__ import annotations
 
@@ -58,6 +60,43 @@ def b64_floats(data: bytes | str, n_cols: int):
     return np.frombuffer(raw, np.float32).reshape(-1, n_cols)
 
 
+def trace_nodes(answer: dict) -> list:
+    """(name, array) per node of a decode answer of a traced run (F32 as float32, F16 as float16, else bytes)."""
+    import numpy as np
+    dtypes = {0: np.float32, 1: np.float16, 26: np.int32}
+    return [(name, np.frombuffer(base64.b64decode(data), dtypes.get(t, np.uint8)))
+            for name, t, data in answer.get("nodes", [])]
+
+
+def _node_recorder(L, store: list):  # pragma: no cover - oracle side
+    """A cb_eval that appends [name, type, base64 data] of each named, contiguous, non-view node to ``store``."""
+    import ctypes
+    libdir = os.path.join(os.path.dirname(L.__file__), "lib")
+    base = ctypes.CDLL(os.path.join(libdir, "libggml-base.so"))
+    for fn, res, args in (("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
+                          ("ggml_op_desc", ctypes.c_char_p, [ctypes.c_void_p]),
+                          ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+                          ("ggml_is_contiguous", ctypes.c_bool, [ctypes.c_void_p]),
+                          ("ggml_backend_tensor_get", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                             ctypes.c_size_t])):
+        getattr(base, fn).restype, getattr(base, fn).argtypes = res, args
+    views = {b"VIEW", b"RESHAPE", b"PERMUTE", b"TRANSPOSE"}
+
+    def cb(t, ask, user):
+        name = base.ggml_get_name(t) or b""
+        if ask:
+            return (bool(name) and b"(" not in name and not name.startswith((b"leaf_", b"node_"))
+                    and base.ggml_op_desc(t) not in views and base.ggml_is_contiguous(t))
+        n = base.ggml_nbytes(t)
+        buf = (ctypes.c_uint8 * max(n, 1))()
+        base.ggml_backend_tensor_get(t, buf, 0, n)
+        ttype = ctypes.c_int32.from_address(t).value  # struct ggml_tensor starts with its enum ggml_type
+        store.append([name.decode(), ttype, base64.b64encode(bytes(buf)[:n]).decode()])
+        return True
+
+    return L.ggml_backend_sched_eval_callback(cb)
+
+
 # ============================================================================ the oracle's side (llama_cpp)
 
 def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
@@ -90,6 +129,10 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     cp.type_k = _GGML_TYPE[pr.get("type_k", "f16")]
     cp.type_v = _GGML_TYPE[pr.get("type_v", "f16")]
     cp.no_perf = True
+    nodes: list = []
+    if pr.get("trace"):
+        recorder = _node_recorder(L, nodes)  # kept alive until the context is freed
+        cp.cb_eval = recorder
     ctx = L.llama_init_from_model(model, cp)
     if not ctx:
         print(json.dumps({"error": "context creation failed"}), flush=True)
@@ -129,8 +172,11 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
             n = len(op["tokens"])
             seqs = op.get("seq") or [[0]] * n
             flags = op.get("logits") or [0] * (n - 1) + [1]
+            nodes.clear()
             ret, arr = decode(op["tokens"], op["pos"], seqs, flags)
             ans.update(ret=ret, logits=base64.b64encode(arr.tobytes()).decode(), n_vocab=n_vocab)
+            if pr.get("trace"):
+                ans["nodes"] = list(nodes)
         elif kind in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"):
             ans["ret"] = getattr(L, "llama_memory_" + kind)(mem, *op["args"])
         elif kind == "pos_max":
