@@ -13,14 +13,15 @@ from ._lib import (DEFINED_IN, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTION
 from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_SRC, GGML_MEM_ALIGN,
                      GGML_OP_COUNT, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_NEOX,
                      GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, DeviceType, GGMLOp, GGMLType,
-                     Status, blck_size, is_quantized, op_name, parse_type, row_size, type_name, type_names, type_size)
+                     Status, blck_size, cpu_can_use, is_quantized, op_name, parse_type, quantize, row_size, type_name, type_names,
+                     type_size)
 from ._tensor import (addr, buffer, data_ptr, from_numpy, handle, header, is_contiguous, is_host, name, nb, nbytes, ne, nelements,
                       new_tensor, np_dtype, np_shape, op, set_buffer, set_name, set_tensor, src, to_numpy, ttype,
                       view_offs, view_src)
 from ._owners import (TENSOR_ALIGNMENT, Backend, BackendBuffer, Context, Graph, Sched, aligned_zeros, buft_name,
                       cpu_buffer_type, dev_memory)
-from ._devices import (Device, commit, device, devices, registries, rpc_add_server, rpc_available,
-                       rpc_start_server, summary_lines, version)
+from ._devices import (Device, commit, device, devices, extra_bufts, registries, rpc_add_server, rpc_available,
+                       rpc_start_server, summary_lines, version, weight_op_supported)
 
 globals().update(FUNCTIONS)  # every C function of the table as a module attribute: G.ggml_set_rows, ...
 
@@ -30,12 +31,13 @@ __all__ = sorted(FUNCTIONS) + [
     "GGML_DEFAULT_GRAPH_SIZE", "GGML_MAX_DIMS", "GGML_MAX_NAME", "GGML_MAX_SRC", "GGML_MEM_ALIGN", "GGML_OP_COUNT",
     "GGML_ROPE_TYPE_IMROPE", "GGML_ROPE_TYPE_MROPE", "GGML_ROPE_TYPE_NEOX", "GGML_ROPE_TYPE_NORMAL",
     "GGML_ROPE_TYPE_VISION", "GGML_TYPE_COUNT", "DeviceType", "GGMLOp", "GGMLType", "Status", "blck_size",
-    "is_quantized", "op_name", "parse_type", "row_size", "type_name", "type_names", "type_size",
+    "cpu_can_use",
+    "is_quantized", "op_name", "parse_type", "quantize", "row_size", "type_name", "type_names", "type_size",
     "addr", "buffer", "data_ptr", "from_numpy", "handle", "header", "is_contiguous", "is_host", "name", "nb", "nbytes", "ne", "nelements",
     "new_tensor", "np_dtype", "np_shape", "op", "set_buffer", "set_name", "set_tensor", "src", "to_numpy", "ttype",
     "view_offs", "view_src",
     "TENSOR_ALIGNMENT", "Backend", "BackendBuffer", "Context", "Graph", "Sched", "aligned_zeros", "buft_name",
     "cpu_buffer_type", "dev_memory",
-    "Device", "commit", "device", "devices", "registries", "rpc_add_server", "rpc_available", "rpc_start_server",
+    "Device", "commit", "device", "devices", "extra_bufts", "registries", "weight_op_supported", "rpc_add_server", "rpc_available", "rpc_start_server",
     "summary_lines", "version",
 ]

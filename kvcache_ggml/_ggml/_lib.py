@@ -102,6 +102,8 @@ REQUIRED: tuple[str, ...] = (
     "ggml_cpu_has_llamafile", "ggml_cpu_has_avx2",
     # ggml.h: quantization (the model maker)
     "ggml_quantize_chunk", "ggml_quantize_requires_imatrix", "ggml_quantize_init", "ggml_validate_row_data",
+    # ggml.h / ggml-cpu.h: type traits (which weight types have CPU kernels)
+    "ggml_get_type_traits", "ggml_get_type_traits_cpu",
 )
 # Present only when the library that defines them is built (RPC: `build.py --rpc`, the default).
 OPTIONAL: tuple[str, ...] = (

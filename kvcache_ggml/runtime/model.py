@@ -3,7 +3,10 @@
 Weights are read with the ``gguf`` package and copied into one backend buffer per buffer type: the token
 embeddings on the CPU (llama.cpp's input layer), layer ``il`` on ``dev_layer(il)``, the output norm and head on
 ``dev_output()``.  Both hooks default to the CPU device; another module (a backends/placement module) passes its
-own to put layers elsewhere.  The object is what :class:`~kvcache_ggml.cache.KVCache` expects of a model:
+own to put layers elsewhere.  As llama.cpp (``make_cpu_buft_list`` / ``select_weight_buft``), a weight on the CPU
+goes to the first of the CPU's extra buffer types (``CPU_REPACK``: Q4_0, Q4_K, IQ4_NL ... in repacked layouts with
+their own matrix kernels) whose device supports the op that uses it, else to the plain CPU buffer type; a weight no
+buffer type can serve is a ValueError naming the tensor, its type and the op.  The object is what :class:`~kvcache_ggml.cache.KVCache` expects of a model:
 ``hparams``, ``dev_layer(il)`` and ``get_rope_freq_base/scale/factors(cparams, il)``.
 """
 from __future__ import annotations
@@ -23,6 +26,8 @@ __all__ = ["Model", "LayerWeights", "cpu_device"]
 _SUPPORTED_ARCHS = ("llama",)
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                   "ffn_down")
+# the op that uses each weight (llama.cpp's LLM_TENSOR_INFOS); None: no op check (plain buffer type)
+_OP_OF = {"token_embd": "GET_ROWS", "attn_norm": "MUL", "ffn_norm": "MUL", "output_norm": "MUL", "rope_freqs": None}
 
 
 def cpu_device() -> int:
@@ -66,7 +71,7 @@ class Model:
     """Weights and hyper-parameters of a llama GGUF, owned until :meth:`close` (or the ``with`` block ends)."""
 
     def __init__(self, path: str | PathLike, *, dev_layer: Callable[[int], Any] | None = None,
-                 dev_output: Callable[[], Any] | None = None) -> None:
+                 dev_output: Callable[[], Any] | None = None, use_extra_bufts: bool = True) -> None:
         from gguf import GGUFReader  # the `test` extra installs it
 
         self.path = Path(path)
@@ -85,6 +90,9 @@ class Model:
         self._dev_layer_hook = dev_layer
         self._dev_output_hook = dev_output
         self._cpu_dev = cpu_device()
+        # llama.cpp's CPU buffer-type list: the extra (repacked) types first, the plain CPU type last
+        self._cpu_bufts = ((G.extra_bufts(self._cpu_dev) if use_extra_bufts else [])
+                           + [G.ggml_backend_dev_buffer_type(self._cpu_dev)])
         self._placements: list[_Placement] = []
         self.tensors: dict[str, Any] = {}        # GGUF name -> TensorP in a backend buffer
         self.layers: list[LayerWeights] = []
@@ -147,6 +155,10 @@ class Model:
                 seen.append(dev)
         return seen
 
+    def buffer_types(self) -> dict[str, str]:
+        """GGUF tensor name -> name of the buffer type holding it ("CPU", "CPU_REPACK", ...)."""
+        return {name: G.buft_name(pl.buft) for pl in self._placements for name in pl.names}
+
     # ------------------------------------------------------------------ sizes
 
     def n_params(self) -> int:
@@ -157,13 +169,28 @@ class Model:
 
     # ------------------------------------------------------------------ loading
 
-    def _buft_of(self, name: str) -> int:
+    def _buft_of(self, name: str, wtype: int, ne: tuple[int, ...]) -> int:
+        """The buffer type of weight ``name``: the first of its device's list that supports the op using it."""
         if name.startswith("blk."):
-            il = int(name.split(".")[1])
-            return G.ggml_backend_dev_buffer_type(self.dev_layer(il))
-        if name in ("output_norm.weight", "output.weight", "rope_freqs.weight"):
-            return G.ggml_backend_dev_buffer_type(self.dev_output())
-        return G.cpu_buffer_type()  # token_embd: the input layer stays on the host, as llama.cpp
+            dev = self.dev_layer(int(name.split(".")[1]))
+        elif name in ("output_norm.weight", "output.weight", "rope_freqs.weight"):
+            dev = self.dev_output()
+        else:
+            dev = self._cpu_dev  # token_embd: the input layer stays on the host, as llama.cpp
+        is_cpu = G.ggml_backend_dev_type(dev) == G.DeviceType.CPU
+        bufts = self._cpu_bufts if is_cpu else [G.ggml_backend_dev_buffer_type(dev)]
+        op = _OP_OF.get(name.split(".")[-2], "MUL_MAT")
+        if op is None:
+            return bufts[-1]
+        if is_cpu and not G.cpu_can_use(wtype, op):
+            raise ValueError(f"{self.path}: tensor {name} has type {G.type_name(wtype)}, for which ggml's CPU "
+                             f"backend has no {op} kernel")
+        for buft in bufts:
+            if G.weight_op_supported(dev, buft, wtype, ne, op):
+                return buft
+        raise ValueError(f"{self.path}: tensor {name} has type {G.type_name(wtype)}, which no buffer type of "
+                         f"device {G.ggml_backend_dev_name(dev).decode()} can use for {op} "
+                         f"(tried {', '.join(G.buft_name(b) for b in bufts)})")
 
     def _load(self, reader: Any) -> None:
         hp = self.hparams
@@ -178,7 +205,9 @@ class Model:
 
         plan: dict[int, _Placement] = {}
         for name in names:
-            buft = self._buft_of(name)
+            rt = by_name[name]
+            wtype = _checked_type(self.path, name, rt)
+            buft = self._buft_of(name, wtype, tuple(int(d) for d in rt.shape))
             plan.setdefault(buft, _Placement(buft, [])).names.append(name)
         self._placements = list(plan.values())
         for pl in self._placements:
@@ -187,6 +216,7 @@ class Model:
                 rt = by_name[name]
                 ne = tuple(int(d) for d in rt.shape)  # gguf stores dims in ggml ne order
                 self.tensors[name] = pl.ctx.new_tensor(int(rt.tensor_type), ne, name)
+            # a repacking buffer type rearranges the data in ggml_backend_tensor_set
             pl.buf = G.BackendBuffer.for_context(pl.ctx, pl.buft)
             for name in pl.names:
                 _upload(self.tensors[name], by_name[name].data, name)
@@ -253,6 +283,17 @@ class Model:
         hp = self.hparams
         return (f"<Model {self.name!r} {hp.arch}: {hp.n_layer} layers, n_embd {hp.n_embd}, "
                 f"{hp.n_head(0)}/{hp.n_head_kv(0)} heads, n_vocab {hp.n_vocab}{' closed' if self.closed else ''}>")
+
+
+def _checked_type(path: Path, name: str, rt: Any) -> int:
+    """The ggml type id of GGUF tensor rt; ValueError naming the tensor when this ggml cannot store that type."""
+    t = int(rt.tensor_type)
+    known = t in G.GGMLType._value2member_map_ and G.blck_size(t) > 0
+    if not known:
+        tname = getattr(rt.tensor_type, "name", str(t))
+        raise ValueError(f"{path}: tensor {name} has type {tname} (ggml type id {t}), which this ggml "
+                         f"({G.version()}) cannot store")
+    return t
 
 
 def _field(reader: Any, key: str, default: Any) -> Any:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcache_ggml import _ggml as G
 from kvcache_ggml._ggml._lib import LIB_DIR
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, make_model
@@ -96,3 +97,22 @@ def test_plain_attention_node_by_node(smol, kv, unified):
             assert diff is None, f"op {k}: first differing node {diff}"
             assert compared == len(ref), f"op {k}: only {compared} of {len(ref)} nodes matched by name"
             assert np.array_equal(got, b64_floats(th["logits"], th["n_vocab"])), f"op {k}: logits differ"
+
+
+@pytest.mark.skipif(not G.ggml_cpu_has_avx2(), reason="the AVX2 kernels are the ones compared")
+def test_q6_K_dot_product_changed_between_ggml_versions():
+    """The one kernel that differs (docs/exactness.md): ggml 0.15's AVX2 ggml_vec_dot_q6_K_q8_K takes the -32
+    offset of Q6_K out after the products (through the Q8_K block sums) where ggml 0.9.8 subtracts it per pair, so
+    the integer partial sums land in other lanes and the float sum rounds differently.  Same weight bytes (each
+    library quantizes with its own ggml_quantize_chunk), same activations: products equal to ~1e-7, not bit for
+    bit, for one token (vec_dot) and four."""
+    theirs = json.loads(subprocess.run([str(ORACLE_PY), str(PROBE), str(_llama_libdir()), "--q6k"], capture_output=True,
+                                       text=True, check=True, timeout=300).stdout)
+    ours = json.loads(subprocess.run([sys.executable, str(PROBE), str(LIB_DIR), "--q6k"], capture_output=True,
+                                     text=True, check=True, timeout=300).stdout)
+    assert ours["weight_sha256"] == theirs["weight_sha256"]
+    for n in ("n1", "n4"):
+        a = np.frombuffer(base64.b64decode(ours[n]["data"]), np.float32).astype(np.float64)
+        b = np.frombuffer(base64.b64decode(theirs[n]["data"]), np.float32).astype(np.float64)
+        rel = np.abs(a - b).max() / np.abs(b).max()
+        assert 0 < rel < 1e-6, f"{n}: max rel diff {rel:.2e}"
