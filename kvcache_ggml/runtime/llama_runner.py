@@ -110,6 +110,8 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
         cb = L.llama_log_callback(lambda level, text, user: None)
         L.llama_log_set(cb, None)
     L.llama_backend_init()
+    if spec.get("vocab_only"):
+        return _vocab_main(L, spec)
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = 0
     model = L.llama_model_load_from_file(spec["model"].encode(), mp)
@@ -200,6 +202,40 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
             ans["error"] = f"unknown op {kind!r}"
         print(json.dumps(ans), flush=True)
     L.llama_free(ctx)
+    L.llama_model_free(model)
+    return 0
+
+
+def _vocab_main(L, spec) -> int:  # pragma: no cover - oracle side
+    """A vocabulary-only model: ops ``tokenize`` (``text``, ``add_special``, ``parse_special``; answer ``tokens``)
+    and ``detokenize`` (``tokens``, ``special``; answer ``text``)."""
+    import ctypes
+    mp = L.llama_model_default_params()
+    mp.vocab_only = True
+    model = L.llama_model_load_from_file(spec["model"].encode(), mp)
+    if not model:
+        print(json.dumps({"error": "model load failed"}), flush=True)
+        return 1
+    vocab = L.llama_model_get_vocab(model)
+    for op in spec["ops"]:
+        ans: dict = {"op": op["op"]}
+        if op["op"] == "tokenize":
+            raw = op["text"].encode()
+            cap = len(raw) + 8
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(vocab, raw, len(raw), buf, cap, op.get("add_special", True),
+                                 op.get("parse_special", False))
+            ans["tokens"] = list(buf[:n]) if n >= 0 else {"error": n}
+        elif op["op"] == "detokenize":
+            toks = op["tokens"]
+            arr = (L.llama_token * max(len(toks), 1))(*toks)
+            cap = 16 * len(toks) + 16
+            out = ctypes.create_string_buffer(cap)
+            n = L.llama_detokenize(vocab, arr, len(toks), out, cap, False, op.get("special", False))
+            ans["text"] = base64.b64encode(out.raw[:max(n, 0)]).decode()
+        else:
+            ans["error"] = f"unknown op {op['op']!r}"
+        print(json.dumps(ans), flush=True)
     L.llama_model_free(model)
     return 0
 

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _ggml as G
+from .._gguf import GGUFFile
 from ..hparams import HParams, RopeType
 
 __all__ = ["Model", "LayerWeights", "cpu_device"]
@@ -72,8 +73,6 @@ class Model:
 
     def __init__(self, path: str | PathLike, *, dev_layer: Callable[[int], Any] | None = None,
                  dev_output: Callable[[], Any] | None = None, use_extra_bufts: bool = True) -> None:
-        from gguf import GGUFReader  # the `test` extra installs it
-
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"model file {str(self.path)!r} does not exist")
@@ -101,11 +100,12 @@ class Model:
         self.output: Any = None                  # [n_embd, n_vocab] (token_embd when tied)
         self.rope_freqs: Any = None              # F32 [n_rot/2] frequency factors, or None
 
-        reader = GGUFReader(str(self.path))
-        self.name = _field(reader, "general.name", self.path.stem)
-        self.vocab: list[str] = list(_field(reader, "tokenizer.ggml.tokens", []))
-        self.bos_token_id = int(_field(reader, "tokenizer.ggml.bos_token_id", -1))
-        self.eos_token_id = int(_field(reader, "tokenizer.ggml.eos_token_id", -1))
+        reader = GGUFFile(self.path)
+        self.gguf_kv: dict[str, Any] = reader.kv                 # every key/value of the file (the tokenizer's)
+        self.name = reader.kv.get("general.name", self.path.stem)
+        self.vocab: list[str] = list(reader.kv.get("tokenizer.ggml.tokens", []))
+        self.bos_token_id = int(reader.kv.get("tokenizer.ggml.bos_token_id", -1))
+        self.eos_token_id = int(reader.kv.get("tokenizer.ggml.eos_token_id", -1))
         try:
             self._load(reader)
         except BaseException:
@@ -194,7 +194,7 @@ class Model:
 
     def _load(self, reader: Any) -> None:
         hp = self.hparams
-        by_name = {t.name: t for t in reader.tensors}
+        by_name = reader.tensors
         need = ["token_embd.weight", "output_norm.weight"]
         need += [f"blk.{il}.{n}.weight" for il in range(hp.n_layer) for n in _LAYER_TENSORS]
         missing = [n for n in need if n not in by_name]
@@ -207,19 +207,19 @@ class Model:
         for name in names:
             rt = by_name[name]
             wtype = _checked_type(self.path, name, rt)
-            buft = self._buft_of(name, wtype, tuple(int(d) for d in rt.shape))
+            buft = self._buft_of(name, wtype, rt.ne)
             plan.setdefault(buft, _Placement(buft, [])).names.append(name)
         self._placements = list(plan.values())
         for pl in self._placements:
             pl.ctx = G.Context.for_tensors(len(pl.names))
             for name in pl.names:
                 rt = by_name[name]
-                ne = tuple(int(d) for d in rt.shape)  # gguf stores dims in ggml ne order
-                self.tensors[name] = pl.ctx.new_tensor(int(rt.tensor_type), ne, name)
+                self.tensors[name] = pl.ctx.new_tensor(rt.type, rt.ne, name)  # GGUF stores dims in ne order
             # a repacking buffer type rearranges the data in ggml_backend_tensor_set
             pl.buf = G.BackendBuffer.for_context(pl.ctx, pl.buft)
             for name in pl.names:
-                _upload(self.tensors[name], by_name[name].data, name)
+                t = self.tensors[name]
+                _upload(t, reader.data(name, G.nbytes(t)), name)
 
         t = self.tensors
         self.tok_embd = t["token_embd.weight"]
@@ -287,18 +287,11 @@ class Model:
 
 def _checked_type(path: Path, name: str, rt: Any) -> int:
     """The ggml type id of GGUF tensor rt; ValueError naming the tensor when this ggml cannot store that type."""
-    t = int(rt.tensor_type)
-    known = t in G.GGMLType._value2member_map_ and G.blck_size(t) > 0
-    if not known:
-        tname = getattr(rt.tensor_type, "name", str(t))
-        raise ValueError(f"{path}: tensor {name} has type {tname} (ggml type id {t}), which this ggml "
-                         f"({G.version()}) cannot store")
+    t = rt.type
+    if t not in G.GGMLType._value2member_map_ or G.blck_size(t) <= 0:
+        raise ValueError(f"{path}: tensor {name} has ggml type id {t}, which this ggml ({G.version()}) cannot "
+                         "store")
     return t
-
-
-def _field(reader: Any, key: str, default: Any) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def _upload(t: Any, data: np.ndarray, name: str) -> None:
