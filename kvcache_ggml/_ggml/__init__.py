@@ -21,7 +21,7 @@ from ._tensor import (addr, buffer, data_ptr, from_numpy, handle, header, is_con
 from ._owners import (TENSOR_ALIGNMENT, Backend, BackendBuffer, Context, Graph, Sched, aligned_zeros, buft_name,
                       cpu_buffer_type, dev_memory)
 from ._devices import (Device, commit, device, devices, extra_bufts, registries, rpc_add_server, rpc_available,
-                       rpc_start_server, summary_lines, version, weight_op_supported)
+                       rpc_start_server, set_log_level, summary_lines, version, weight_op_supported)
 
 globals().update(FUNCTIONS)  # every C function of the table as a module attribute: G.ggml_set_rows, ...
 
@@ -39,5 +39,5 @@ __all__ = sorted(FUNCTIONS) + [
     "TENSOR_ALIGNMENT", "Backend", "BackendBuffer", "Context", "Graph", "Sched", "aligned_zeros", "buft_name",
     "cpu_buffer_type", "dev_memory",
     "Device", "commit", "device", "devices", "extra_bufts", "registries", "weight_op_supported", "rpc_add_server", "rpc_available", "rpc_start_server",
-    "summary_lines", "version",
+    "set_log_level", "summary_lines", "version",
 ]

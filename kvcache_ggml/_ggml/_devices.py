@@ -142,3 +142,25 @@ def weight_op_supported(dev: int, buft: int, wtype: int, ne: tuple[int, ...], op
         finally:
             set_buffer(w, 0)
             _F["ggml_backend_buffer_free"](buf)
+
+
+_LOG_KEEP: list = []  # the installed C callback (ggml keeps only its address)
+
+
+def set_log_level(min_level: int = 3) -> None:
+    """Print ggml's log messages of level >= min_level only (ggml_log_set; 1 debug, 2 info, 3 warn, 4 error; a
+    continuation line follows its message's level).  The default prints warnings and errors, as llama.cpp's tools
+    do, instead of ggml's every-message logger (e.g. CPU_REPACK's line per repacked tensor)."""
+    import sys
+    from ggml import ggml as _decl
+    state = {"keep": False}
+
+    def cb(level: int, text: bytes, user: int) -> None:
+        if level != 5:  # GGML_LOG_LEVEL_CONT
+            state["keep"] = level >= min_level
+        if state["keep"] and text:
+            sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+    c_cb = _decl.ggml_log_callback(cb)
+    _LOG_KEEP[:] = [c_cb]
+    _F["ggml_log_set"](c_cb, None)

@@ -104,6 +104,8 @@ REQUIRED: tuple[str, ...] = (
     "ggml_quantize_chunk", "ggml_quantize_requires_imatrix", "ggml_quantize_init", "ggml_validate_row_data",
     # ggml.h / ggml-cpu.h: type traits (which weight types have CPU kernels)
     "ggml_get_type_traits", "ggml_get_type_traits_cpu",
+    # ggml.h: the log sink
+    "ggml_log_set",
 )
 # Present only when the library that defines them is built (RPC: `build.py --rpc`, the default).
 OPTIONAL: tuple[str, ...] = (
