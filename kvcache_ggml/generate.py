@@ -48,7 +48,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a llama-family GGUF with a tokenizer")
     ap.add_argument("--prompt", required=True, help="the text to continue")
-    ap.add_argument("--n-predict", type=int, default=64, help="most tokens generated per sequence (default %(default)s)")
+    ap.add_argument("--n-predict", type=int, default=64,
+                    help="most tokens generated per sequence (default %(default)s)")
     ap.add_argument("--n-par", type=int, default=1, help="parallel sequences (default %(default)s)")
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default %(default)s)")
     ap.add_argument("--top-k", type=int, default=40, help="sample among the k best (default %(default)s)")
@@ -82,11 +83,9 @@ def main(argv: list[str]) -> int:
     with Model(a.model) as model:
         vocab = Vocab.from_kv(model.gguf_kv, str(a.model))
         prompt = np.array(vocab.tokenize(a.prompt, add_special=True, parse_special=True), np.int32)
-        n_ctx = a.n_ctx or model.hparams.n_ctx_train
-        need = len(prompt) + a.n_predict * a.n_par
-        params = RuntimeParams(n_ctx=min(n_ctx, max(need, 256)) if a.n_ctx == 0 else n_ctx,
-                               n_batch=max(len(prompt), a.n_par), n_seq_max=a.n_par, kv_unified=True,
-                               flash_attn=a.flash_attn, n_threads=a.threads, n_threads_batch=a.threads)
+        params = RuntimeParams(n_ctx=a.n_ctx, n_batch=max(len(prompt), a.n_par), n_seq_max=a.n_par,
+                               kv_unified=True, flash_attn=a.flash_attn, n_threads=a.threads,
+                               n_threads_batch=a.threads)
         for line in kv_memory_plan(model, params).describe(params.type_k, params.type_v):
             print(f"[{line.strip()}]", file=sys.stderr)
         with Context(model, params) as ctx:

@@ -100,8 +100,6 @@ def _node_recorder(L, store: list):  # pragma: no cover - oracle side
 # ============================================================================ the oracle's side (llama_cpp)
 
 def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
-    import ctypes
-
     import llama_cpp as L
     import numpy as np
 
@@ -112,36 +110,14 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     L.llama_backend_init()
     if spec.get("vocab_only"):
         return _vocab_main(L, spec)
-    mp = L.llama_model_default_params()
-    mp.n_gpu_layers = 0
-    model = L.llama_model_load_from_file(spec["model"].encode(), mp)
-    if not model:
-        print(json.dumps({"error": "model load failed"}), flush=True)
-        return 1
     pr = spec.get("params", {})
-    cp = L.llama_context_default_params()
-    cp.n_ctx = pr.get("n_ctx", 512)
-    cp.n_batch = pr.get("n_batch", 2048)
-    cp.n_ubatch = pr.get("n_ubatch", 512)
-    cp.n_seq_max = pr.get("n_seq_max", 1)
-    cp.n_threads = cp.n_threads_batch = pr.get("n_threads", 1)
-    cp.kv_unified = bool(pr.get("kv_unified", False))
-    cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if pr.get("flash_attn", True)
-                          else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    cp.type_k = _GGML_TYPE[pr.get("type_k", "f16")]
-    cp.type_v = _GGML_TYPE[pr.get("type_v", "f16")]
-    cp.no_perf = True
     nodes: list = []
-    if pr.get("trace"):
-        recorder = _node_recorder(L, nodes)  # kept alive until the context is freed
-        cp.cb_eval = recorder
-    ctx = L.llama_init_from_model(model, cp)
+    model, ctx, recorder = _open(L, spec["model"], pr, nodes)
     if not ctx:
-        print(json.dumps({"error": "context creation failed"}), flush=True)
         return 1
     mem = L.llama_get_memory(ctx)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    n_seq_max = max(1, cp.n_seq_max)
+    n_seq_max = max(1, pr.get("n_seq_max", 1))
 
     def decode(tokens, pos, seqs, flags):
         n = len(tokens)
@@ -179,23 +155,8 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
             ans.update(ret=ret, logits=base64.b64encode(arr.tobytes()).decode(), n_vocab=n_vocab)
             if pr.get("trace"):
                 ans["nodes"] = list(nodes)
-        elif kind in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"):
-            ans["ret"] = getattr(L, "llama_memory_" + kind)(mem, *op["args"])
-        elif kind == "pos_max":
-            ans["ret"] = L.llama_memory_seq_pos_max(mem, op["seq"])
-        elif kind == "pos_min":
-            ans["ret"] = L.llama_memory_seq_pos_min(mem, op["seq"])
-        elif kind == "clear":
-            L.llama_memory_clear(mem, True)
-        elif kind == "state_seq_get":
-            size = L.llama_state_seq_get_size(ctx, op["seq"])
-            buf = (ctypes.c_uint8 * max(size, 1))()
-            got = L.llama_state_seq_get_data(ctx, buf, size, op["seq"])
-            ans.update(size=size, blob=base64.b64encode(bytes(buf)[:got]).decode())
-        elif kind == "state_seq_set":
-            raw = base64.b64decode(op["blob"])
-            buf = (ctypes.c_uint8 * max(len(raw), 1)).from_buffer_copy(raw or b"\0")
-            ans["ret"] = L.llama_state_seq_set_data(ctx, buf, len(raw), op["seq"])
+        elif kind in _MEMORY_OPS:
+            _memory_op(L, ctx, mem, op, ans)
         elif kind == "bench":
             ans.update(_bench(L, ctx, mem, decode, op, n_vocab))
         else:
@@ -204,6 +165,63 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     L.llama_free(ctx)
     L.llama_model_free(model)
     return 0
+
+
+_MEMORY_OPS = ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "pos_max", "pos_min", "clear", "state_seq_get",
+               "state_seq_set")
+
+
+def _memory_op(L, ctx, mem, op: dict, ans: dict) -> None:  # pragma: no cover - oracle side
+    """The sequence, position and state operations."""
+    import ctypes
+    kind = op["op"]
+    if kind in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"):
+        ans["ret"] = getattr(L, "llama_memory_" + kind)(mem, *op["args"])
+    elif kind == "pos_max":
+        ans["ret"] = L.llama_memory_seq_pos_max(mem, op["seq"])
+    elif kind == "pos_min":
+        ans["ret"] = L.llama_memory_seq_pos_min(mem, op["seq"])
+    elif kind == "clear":
+        L.llama_memory_clear(mem, True)
+    elif kind == "state_seq_get":
+        size = L.llama_state_seq_get_size(ctx, op["seq"])
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        got = L.llama_state_seq_get_data(ctx, buf, size, op["seq"])
+        ans.update(size=size, blob=base64.b64encode(bytes(buf)[:got]).decode())
+    else:  # state_seq_set
+        raw = base64.b64decode(op["blob"])
+        buf = (ctypes.c_uint8 * max(len(raw), 1)).from_buffer_copy(raw or b"\0")
+        ans["ret"] = L.llama_state_seq_set_data(ctx, buf, len(raw), op["seq"])
+
+
+def _open(L, path: str, pr: dict, nodes: list):  # pragma: no cover - oracle side
+    """Model and context as the spec's params say; (model, ctx, cb_eval keep-alive), ctx None on failure."""
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(path.encode(), mp)
+    if not model:
+        print(json.dumps({"error": "model load failed"}), flush=True)
+        return None, None, None
+    cp = L.llama_context_default_params()
+    cp.n_ctx = pr.get("n_ctx", 512)
+    cp.n_batch = pr.get("n_batch", 2048)
+    cp.n_ubatch = pr.get("n_ubatch", 512)
+    cp.n_seq_max = pr.get("n_seq_max", 1)
+    cp.n_threads = cp.n_threads_batch = pr.get("n_threads", 1)
+    cp.kv_unified = bool(pr.get("kv_unified", False))
+    cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if pr.get("flash_attn", True)
+                          else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    cp.type_k = _GGML_TYPE[pr.get("type_k", "f16")]
+    cp.type_v = _GGML_TYPE[pr.get("type_v", "f16")]
+    cp.no_perf = True
+    recorder = None
+    if pr.get("trace"):
+        recorder = _node_recorder(L, nodes)  # kept alive by the caller until the context is freed
+        cp.cb_eval = recorder
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        print(json.dumps({"error": "context creation failed"}), flush=True)
+    return model, ctx, recorder
 
 
 def _vocab_main(L, spec) -> int:  # pragma: no cover - oracle side

@@ -6,7 +6,8 @@ embeddings on the CPU (llama.cpp's input layer), layer ``il`` on ``dev_layer(il)
 own to put layers elsewhere.  As llama.cpp (``make_cpu_buft_list`` / ``select_weight_buft``), a weight on the CPU
 goes to the first of the CPU's extra buffer types (``CPU_REPACK``: Q4_0, Q4_K, IQ4_NL ... in repacked layouts with
 their own matrix kernels) whose device supports the op that uses it, else to the plain CPU buffer type; a weight no
-buffer type can serve is a ValueError naming the tensor, its type and the op.  The object is what :class:`~kvcache_ggml.cache.KVCache` expects of a model:
+buffer type can serve is a ValueError naming the tensor, its type and the op.  The object is what
+:class:`~kvcache_ggml.cache.KVCache` expects of a model:
 ``hparams``, ``dev_layer(il)`` and ``get_rope_freq_base/scale/factors(cparams, il)``.
 """
 from __future__ import annotations
