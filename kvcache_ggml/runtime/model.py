@@ -171,27 +171,29 @@ class Model:
     # ------------------------------------------------------------------ loading
 
     def _buft_of(self, name: str, wtype: int, ne: tuple[int, ...]) -> int:
-        """The buffer type of weight ``name``: the first of its device's list that supports the op using it."""
+        """The buffer type of weight ``name``: the first of its device's list that supports the op using it
+        (llama.cpp's lists: a GPU's own buffer type, then the CPU list; the CPU list is the extra types, then the
+        plain CPU type)."""
         if name.startswith("blk."):
             dev = self.dev_layer(int(name.split(".")[1]))
         elif name in ("output_norm.weight", "output.weight", "rope_freqs.weight"):
             dev = self.dev_output()
         else:
             dev = self._cpu_dev  # token_embd: the input layer stays on the host, as llama.cpp
-        is_cpu = G.ggml_backend_dev_type(dev) == G.DeviceType.CPU
-        bufts = self._cpu_bufts if is_cpu else [G.ggml_backend_dev_buffer_type(dev)]
+        cands = [(self._cpu_dev, b) for b in self._cpu_bufts]
+        if G.ggml_backend_dev_type(dev) != G.DeviceType.CPU:
+            cands.insert(0, (dev, G.ggml_backend_dev_buffer_type(dev)))
         op = _OP_OF.get(name.split(".")[-2], "MUL_MAT")
         if op is None:
-            return bufts[-1]
-        if is_cpu and not G.cpu_can_use(wtype, op):
-            raise ValueError(f"{self.path}: tensor {name} has type {G.type_name(wtype)}, for which ggml's CPU "
-                             f"backend has no {op} kernel")
-        for buft in bufts:
-            if G.weight_op_supported(dev, buft, wtype, ne, op):
+            return cands[0][1] if len(cands) > len(self._cpu_bufts) else cands[-1][1]
+        for d, buft in cands:
+            # the CPU says yes to every type: a type without a CPU kernel would crash the compute
+            cpu_ok = d != self._cpu_dev or G.cpu_can_use(wtype, op)
+            if cpu_ok and G.weight_op_supported(d, buft, wtype, ne, op):
                 return buft
-        raise ValueError(f"{self.path}: tensor {name} has type {G.type_name(wtype)}, which no buffer type of "
-                         f"device {G.ggml_backend_dev_name(dev).decode()} can use for {op} "
-                         f"(tried {', '.join(G.buft_name(b) for b in bufts)})")
+        raise ValueError(f"{self.path}: tensor {name} has type {G.type_name(wtype)}, which no buffer type can use "
+                         f"for {op} (tried {', '.join(G.buft_name(b) for _, b in cands)}; ggml's CPU backend has "
+                         f"{'a' if G.cpu_can_use(wtype, op) else 'no'} {op} kernel for it)")
 
     def _load(self, reader: Any) -> None:
         hp = self.hparams
