@@ -56,7 +56,7 @@ CMAKE_MIN = (3, 21)  # ggml-python's CMakeLists.txt requires 3.21
 # extras of this project each command needs (the notebooks extra runs the notebook tests)
 COMMAND_EXTRAS = {None: ("test",), "test": ("test", "notebooks"), "demo": ("test",)}
 STAMP_SCHEMA = 1
-GGML_RECIPE = 2  # bump when the way ggml-python is built changes: forces one rebuild
+GGML_RECIPE = 3  # bump when the way ggml-python is built changes: forces one rebuild (3: GGML_LLAMAFILE=ON)
 COMMANDS = ("test", "demo", "carry", "cmake-args")
 
 # the GPU check's offline payload (scripts/gpu_check.sh, docs/parity.md)
@@ -92,7 +92,11 @@ class BuildFlags:
     def cmake_args(self) -> str:
         onoff = lambda b: "ON" if b else "OFF"  # noqa: E731
         args = [f"-DGGML_CUDA={onoff(self.cuda)}", f"-DGGML_METAL={onoff(self.metal)}",
-                f"-DGGML_VULKAN={onoff(self.vulkan)}", f"-DGGML_RPC={onoff(self.rpc)}"]
+                f"-DGGML_VULKAN={onoff(self.vulkan)}", f"-DGGML_RPC={onoff(self.rpc)}",
+                # llama.cpp turns llamafile's sgemm on (ggml alone defaults it off); the CPU's F32/F16/Q8_0/Q4_0
+                # matrix products of several tokens then take the same kernels as llama.cpp's, bit for bit
+                # (docs/exactness.md)
+                "-DGGML_LLAMAFILE=ON"]
         if self.cuda and self.cuda_arch:
             args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}")
         return " ".join(args)

@@ -10,7 +10,8 @@ Prints tokens/s for both and the ratio (ours / llama.cpp; 1.0 = as fast), then o
 into batch splitting, cache bookkeeping, memory updates, input setting, graph build and compute.  llama.cpp runs
 in the oracle's interpreter (``/tmp/kvoracle/venv``, see tests/README.md); without it only our figures print.
 
-    .venv/bin/python benchmarks/bench_runtime.py [--threads 1] [--n-ctx 1024] [--n-par 1,4] [--json out.json]
+    .venv/bin/python benchmarks/bench_runtime.py [--threads 1] [--n-ctx 1024] [--n-par 1,4] [--wtype q4_K]
+                                                 [--json out.json]
 """
 from __future__ import annotations
 
@@ -72,16 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unified", action="store_true", help="one cache stream for all sequences")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--embd", type=int, default=128)
+    ap.add_argument("--wtype", default="f32", help="weight type of the matrices (q4_0, q4_K, q6_K, ...)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args(argv)
-    spec = ModelSpec(layers=a.layers, embd=a.embd, heads=8, heads_kv=4, ff=2 * a.embd, vocab=256)
+    spec = ModelSpec(layers=a.layers, embd=a.embd, heads=8, heads_kv=4, ff=2 * a.embd, vocab=256, type=a.wtype)
     prompt = np.random.default_rng(0).integers(3, spec.vocab, a.prompt).tolist()
     why = llama_available()
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
         path = make_model(Path(tmp) / "tiny.gguf", spec)
         print(f"model: {spec.layers} layers, n_embd {spec.embd}, heads {spec.heads}/{spec.heads_kv}, ff {spec.ff}, "
-              f"vocab {spec.vocab} (F32); n_ctx {a.n_ctx}, K/V {a.type_kv}, flash attention "
+              f"vocab {spec.vocab} ({a.wtype}); n_ctx {a.n_ctx}, K/V {a.type_kv}, flash attention "
               f"{'on' if a.flash_attn else 'off'}, {'unified' if a.unified else 'per-sequence streams'}, "
               f"{a.threads} thread(s); prompt {a.prompt}, {a.n_gen} decode steps, best of {a.reps}")
         for n_par in (int(x) for x in a.n_par.split(",")):

@@ -245,6 +245,12 @@ def test_table_functions_are_module_attributes():
     assert G.DEFINED_IN["ggml_init"] == "ggml-base" and G.DEFINED_IN["ggml_backend_cpu_init"] == "ggml-cpu"
 
 
+def test_cpu_backend_has_llamafile_sgemm_like_llama_cpp():
+    """llama.cpp builds ggml-cpu with llamafile's sgemm; without it the F32/F16/Q8_0 products of several tokens take
+    other kernels and plain-attention logits differ from llama.cpp's (docs/exactness.md)."""
+    assert G.ggml_cpu_has_llamafile() == 1, "ggml-cpu built without GGML_LLAMAFILE: rerun `python3 build.py`"
+
+
 # ---- the four re-declared functions, called -----------------------------------------------------------------
 
 def test_cpu_buffer_type_pointer_round_trips():

@@ -10,34 +10,36 @@ Other modules do `from kvcache_ggml import _ggml as G` and then:
 Handles are ints (contexts, buffers, buffer types, backends, devices) or `G.TensorP` pointers (tensors).
 """
 from ._lib import (DEFINED_IN, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, REDECLARED, REQUIRED, CgraphP,
-                   TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
+                   EvalCallback, TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
 from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_SRC, GGML_MEM_ALIGN,
                      GGML_OP_COUNT, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_NEOX,
                      GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, DeviceType, GGMLOp, GGMLType,
-                     Status, blck_size, is_quantized, op_name, parse_type, row_size, type_name, type_names, type_size)
+                     Status, blck_size, cpu_can_use, is_quantized, op_name, parse_type, quantize, row_size, type_name,
+                     type_names, type_size)
 from ._tensor import (addr, buffer, data_ptr, from_numpy, handle, header, host_bytes, is_contiguous, is_host, name, nb,
                       nbytes, ne, nelements, new_bytes, new_tensor, np_dtype, np_shape, op, set_buffer, set_name,
                       set_tensor, src, to_numpy, ttype, view_offs, view_src)
 from ._owners import (TENSOR_ALIGNMENT, Backend, BackendBuffer, Context, Graph, Sched, aligned_zeros, buft_name,
                       cpu_buffer_type, dev_memory)
 from ._convert import dequantize
-from ._devices import (Device, commit, device, devices, registries, rpc_add_server, rpc_available,
-                       rpc_start_server, summary_lines, version)
+from ._devices import (Device, commit, device, devices, extra_bufts, registries, rpc_add_server, rpc_available,
+                       rpc_start_server, set_log_level, summary_lines, version, weight_op_supported)
 
 globals().update(FUNCTIONS)  # every C function of the table as a module attribute: G.ggml_set_rows, ...
 
 __all__ = sorted(FUNCTIONS) + [
     "DEFINED_IN", "FUNCTIONS", "GGML_PYTHON_VERSION", "LIBRARIES", "OPTIONAL", "REDECLARED", "REQUIRED", "CgraphP",
-    "TensorP", "ggml_init_params", "ggml_tensor", "has", "is_ctypes_type",
+    "EvalCallback", "TensorP", "ggml_init_params", "ggml_tensor", "has", "is_ctypes_type",
     "GGML_DEFAULT_GRAPH_SIZE", "GGML_MAX_DIMS", "GGML_MAX_NAME", "GGML_MAX_SRC", "GGML_MEM_ALIGN", "GGML_OP_COUNT",
     "GGML_ROPE_TYPE_IMROPE", "GGML_ROPE_TYPE_MROPE", "GGML_ROPE_TYPE_NEOX", "GGML_ROPE_TYPE_NORMAL",
     "GGML_ROPE_TYPE_VISION", "GGML_TYPE_COUNT", "DeviceType", "GGMLOp", "GGMLType", "Status", "blck_size",
-    "is_quantized", "op_name", "parse_type", "row_size", "type_name", "type_names", "type_size",
-    "addr", "buffer", "data_ptr", "from_numpy", "handle", "header", "host_bytes", "is_contiguous", "is_host", "name", "nb", "nbytes", "ne", "nelements",
-    "new_bytes", "new_tensor", "np_dtype", "np_shape", "op", "set_buffer", "set_name", "set_tensor", "src", "to_numpy", "ttype",
-    "view_offs", "view_src",
+    "cpu_can_use", "is_quantized", "op_name", "parse_type", "quantize", "row_size", "type_name", "type_names",
+    "type_size",
+    "addr", "buffer", "data_ptr", "from_numpy", "handle", "header", "host_bytes", "is_contiguous", "is_host", "name",
+    "nb", "nbytes", "ne", "nelements", "new_bytes", "new_tensor", "np_dtype", "np_shape", "op", "set_buffer",
+    "set_name", "set_tensor", "src", "to_numpy", "ttype", "view_offs", "view_src",
     "TENSOR_ALIGNMENT", "Backend", "BackendBuffer", "Context", "Graph", "Sched", "aligned_zeros", "buft_name",
     "cpu_buffer_type", "dev_memory",
-    "Device", "commit", "device", "devices", "registries", "rpc_add_server", "rpc_available", "rpc_start_server",
-    "summary_lines", "version", "dequantize",
+    "Device", "commit", "device", "devices", "extra_bufts", "registries", "weight_op_supported", "rpc_add_server",
+    "rpc_available", "rpc_start_server", "set_log_level", "summary_lines", "version", "dequantize",
 ]

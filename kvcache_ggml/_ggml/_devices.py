@@ -93,3 +93,74 @@ def summary_lines() -> list[str]:
         lines.append(f"device {d.name}: {d.type.name}, {d.description}, {mem}")
     lines.append(f"binding table: {len(_F)} C functions ({sum(1 for n in DEFINED_IN if 'rpc' in n)} RPC)")
     return lines
+
+
+# ggml_backend_buffer_type_t * (*ggml_backend_dev_get_extra_bufts_t)(ggml_backend_dev_t device)
+_GetExtraBufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
+def extra_bufts(dev: int) -> list[int]:
+    """The extra buffer types of a device's registry (``ggml_backend_dev_get_extra_bufts``): for the CPU, the
+    repacked-weight layouts (``CPU_REPACK``, AMX, KleidiAI where built), in ggml's order of preference."""
+    reg = _F["ggml_backend_dev_backend_reg"](dev)
+    addr = _F["ggml_backend_reg_get_proc_address"](reg, b"ggml_backend_dev_get_extra_bufts")
+    if not addr:
+        return []
+    arr = _GetExtraBufts(addr)(dev)
+    out: list[int] = []
+    i = 0
+    while arr and arr[i]:
+        out.append(int(arr[i]))
+        i += 1
+    return out
+
+
+def weight_op_supported(dev: int, buft: int, wtype: int, ne: tuple[int, ...], op: str) -> bool:
+    """Whether ``dev`` can run ``op`` ("MUL_MAT", "GET_ROWS" or "MUL") on a weight of type wtype and shape ne stored
+    in a buffer of type ``buft`` (llama.cpp's weight_buft_supported: a dummy op over 512 tokens and a size-0
+    buffer of that type, asked with ggml_backend_dev_supports_op)."""
+    from ._owners import Context
+    from ._tensor import new_tensor, set_buffer
+    ne4 = tuple(ne) + (1,) * (4 - len(ne))
+    with Context.for_tensors(8) as ctx:
+        w = new_tensor(ctx.ptr, wtype, ne4[:len(ne)], "w")
+        if op == "MUL_MAT":
+            b = new_tensor(ctx.ptr, 0, (ne4[0], 512, ne4[2], ne4[3]), "b")
+            t = _F["ggml_mul_mat"](ctx.ptr, w, b)
+        elif op == "GET_ROWS":
+            t = _F["ggml_get_rows"](ctx.ptr, w, new_tensor(ctx.ptr, 26, (512,), "ids"))
+        elif op == "MUL":
+            t = _F["ggml_mul"](ctx.ptr, new_tensor(ctx.ptr, 0, ne4[:len(ne)], "a"), w)
+        else:
+            raise ValueError(f"weight_op_supported: op {op!r} is not one of MUL_MAT, GET_ROWS, MUL")
+        buf = _F["ggml_backend_buft_alloc_buffer"](buft, 0)
+        if not buf:
+            return False
+        set_buffer(w, buf)
+        try:
+            return bool(_F["ggml_backend_dev_supports_op"](dev, t))
+        finally:
+            set_buffer(w, 0)
+            _F["ggml_backend_buffer_free"](buf)
+
+
+_LOG_KEEP: list = []  # the installed C callback (ggml keeps only its address)
+
+
+def set_log_level(min_level: int = 3) -> None:
+    """Print ggml's log messages of level >= min_level only (ggml_log_set; 1 debug, 2 info, 3 warn, 4 error; a
+    continuation line follows its message's level).  The default prints warnings and errors, as llama.cpp's tools
+    do, instead of ggml's every-message logger (e.g. CPU_REPACK's line per repacked tensor)."""
+    import sys
+    from ggml import ggml as _decl
+    state = {"keep": False}
+
+    def cb(level: int, text: bytes, user: int) -> None:
+        if level != 5:  # GGML_LOG_LEVEL_CONT
+            state["keep"] = level >= min_level
+        if state["keep"] and text:
+            sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+    c_cb = _decl.ggml_log_callback(cb)
+    _LOG_KEEP[:] = [c_cb]
+    _F["ggml_log_set"](c_cb, None)

@@ -17,6 +17,8 @@ ggml_tensor = _decl.ggml_tensor  # struct ggml_tensor (ctypes.Structure)
 ggml_init_params = _decl.ggml_init_params  # struct ggml_init_params
 TensorP = ctypes.POINTER(ggml_tensor)  # struct ggml_tensor *
 CgraphP = ctypes.POINTER(_decl.ggml_cgraph)  # struct ggml_cgraph * (opaque)
+# bool (*ggml_backend_sched_eval_callback)(struct ggml_tensor * t, bool ask, void * user_data)
+EvalCallback = _decl.ggml_backend_sched_eval_callback
 
 GGML_PYTHON_VERSION: str = ggml_python.__version__
 LIB_DIR = Path(ggml_python.__file__).resolve().parent / "lib"
@@ -94,7 +96,16 @@ REQUIRED: tuple[str, ...] = (
     "ggml_backend_dev_backend_reg", "ggml_backend_init_by_name", "ggml_backend_init_by_type",
     "ggml_backend_init_best",
     "ggml_backend_reg_count", "ggml_backend_reg_get", "ggml_backend_reg_name", "ggml_backend_reg_by_name",
-    "ggml_backend_reg_dev_count", "ggml_backend_reg_dev_get",
+    "ggml_backend_reg_dev_count", "ggml_backend_reg_dev_get", "ggml_backend_reg_get_proc_address",
+    "ggml_backend_dev_supports_op",
+    # ggml-cpu.h: what the CPU backend was built with (llama.cpp builds it with llamafile's sgemm)
+    "ggml_cpu_has_llamafile", "ggml_cpu_has_avx2",
+    # ggml.h: quantization (the model maker)
+    "ggml_quantize_chunk", "ggml_quantize_requires_imatrix", "ggml_quantize_init", "ggml_validate_row_data",
+    # ggml.h / ggml-cpu.h: type traits (which weight types have CPU kernels)
+    "ggml_get_type_traits", "ggml_get_type_traits_cpu",
+    # ggml.h: the log sink
+    "ggml_log_set",
 )
 # Present only when the library that defines them is built (RPC: `build.py --rpc`, the default; Vulkan:
 # `build.py --vulkan`).

@@ -6,12 +6,12 @@ Sched (ggml_backend_sched_free). Graph is a helper over a ggml_cgraph in a Conte
 from __future__ import annotations
 
 import ctypes
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from ._lib import FUNCTIONS as _F
-from ._lib import CgraphP, TensorP, ggml_init_params
+from ._lib import CgraphP, EvalCallback, TensorP, ggml_init_params
 from ._tensor import new_tensor
 from ._types import GGML_DEFAULT_GRAPH_SIZE, Status, _cstr
 
@@ -252,7 +252,7 @@ class Backend(_Owner):
 class Sched(_Owner):
     """A ggml_backend_sched_t over backends (the last one must be the CPU backend)."""
 
-    __slots__ = ("backends",)
+    __slots__ = ("backends", "_eval_cb")
     _kind = "ggml backend scheduler"
 
     def __init__(self, backends: list[Backend], graph_size: int = GGML_DEFAULT_GRAPH_SIZE, parallel: bool = False,
@@ -264,10 +264,36 @@ class Sched(_Owner):
         arr = (ctypes.c_void_p * len(backends))(*(b.ptr for b in backends))
         super().__init__(_F["ggml_backend_sched_new"](arr, None, len(backends), graph_size, parallel, op_offload))
         self.backends = list(backends)  # the scheduler uses them until it is freed
+        self._eval_cb = None            # the C callback object while one is set (ggml keeps only its address)
 
     def _release(self, ptr: int) -> None:
         _F["ggml_backend_sched_free"](ptr)
         self.backends = []
+        self._eval_cb = None
+
+    def set_eval_callback(self, fn: "Callable[[TensorP, bool], bool] | None") -> None:
+        """Observe nodes as they are computed (ggml_backend_sched_set_eval_callback); None removes the observer.
+
+        ``fn(t, ask)``: with ask=True, return whether node t should be observed (the scheduler then computes up to
+        it); with ask=False, t has its data: return False to stop the graph there.  An exception inside fn is
+        printed and stops the graph (it cannot cross the C frame).
+        """
+        if fn is None:
+            _F["ggml_backend_sched_set_eval_callback"](self.ptr, EvalCallback(), None)
+            self._eval_cb = None
+            return
+
+        def trampoline(t: TensorP, ask: bool, user_data: int) -> bool:
+            try:
+                return bool(fn(t, bool(ask)))
+            except BaseException:  # noqa: BLE001 - report and stop, never unwind through C
+                import traceback
+                traceback.print_exc()
+                return False
+
+        cb = EvalCallback(trampoline)
+        _F["ggml_backend_sched_set_eval_callback"](self.ptr, cb, None)
+        self._eval_cb = cb
 
     def reset(self) -> None:
         _F["ggml_backend_sched_reset"](self.ptr)

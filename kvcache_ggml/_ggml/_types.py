@@ -1,7 +1,10 @@
 """ggml's enums (tensor types, ops, statuses, device types) read from the library, and type arithmetic."""
 from __future__ import annotations
 
+import ctypes
 from enum import IntEnum
+
+import numpy as np
 
 from ._lib import FUNCTIONS as _F
 from ._lib import _decl
@@ -110,3 +113,59 @@ def op_name(op: int) -> str:
     if not 0 <= int(op) < GGML_OP_COUNT:
         raise ValueError(f"ggml op {op} out of range [0, {GGML_OP_COUNT})")
     return _cstr(_F["ggml_op_name"](int(op)))
+
+
+# the types ggml_quantize_chunk writes (any other aborts the process)
+QUANTIZABLE = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K",
+               "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "iq4_nl", "iq4_xs", "tq1_0",
+               "tq2_0", "mxfp4")
+
+
+def quantize(t: str | int, x: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Rows of x (float32 [n_rows, n_per_row]) in ggml type t with ggml's own ``ggml_quantize_chunk``.
+
+    Returns uint8 [n_rows, row_size(t, n_per_row)].  ``imatrix`` (float32 [n_per_row], importance per column) is
+    required by the types ``ggml_quantize_requires_imatrix`` names (IQ1/IQ2 families); ValueError without it, or
+    when n_per_row is not a whole number of blocks.  The result is checked with ``ggml_validate_row_data``.
+    """
+    tt = parse_type(t)
+    if type_name(tt) not in QUANTIZABLE:
+        raise ValueError(f"ggml_quantize_chunk cannot write {type_name(tt)} (it writes {', '.join(QUANTIZABLE)})")
+    x = np.ascontiguousarray(x, np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"quantize needs a 2-D array [n_rows, n_per_row], got shape {x.shape}")
+    n_rows, n_per_row = x.shape
+    if n_per_row % blck_size(tt):
+        raise ValueError(f"{type_name(tt)} rows need a multiple of {blck_size(tt)} values, got {n_per_row}")
+    if imatrix is None and _F["ggml_quantize_requires_imatrix"](int(tt)):
+        raise ValueError(f"{type_name(tt)} needs an importance matrix (imatrix) to quantize")
+    qw = None
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, np.float32)
+        if imatrix.shape != (n_per_row,):
+            raise ValueError(f"imatrix must have shape ({n_per_row},), got {imatrix.shape}")
+        qw = imatrix.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    out = np.zeros((n_rows, row_size(tt, n_per_row)), np.uint8)
+    n = _F["ggml_quantize_chunk"](int(tt), x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.ctypes.data, 0,
+                                  n_rows, n_per_row, qw)
+    if n != out.nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {n} bytes for {type_name(tt)}, expected {out.nbytes}")
+    if not _F["ggml_validate_row_data"](int(tt), out.ctypes.data, out.nbytes):
+        raise ValueError(f"{type_name(tt)} data from ggml_quantize_chunk does not validate (NaN or inf input?)")
+    return out
+
+
+def cpu_can_use(t: str | int, op: str) -> bool:
+    """Whether ggml's CPU backend has a kernel for weight type t in op "MUL_MAT" (a vec_dot in its type traits),
+    "GET_ROWS" (a to_float) or "MUL" (F32 only).  ``ggml_backend_dev_supports_op`` of the CPU says yes to every
+    type, and a weight type without a kernel crashes the compute: Model checks this first."""
+    tt = int(parse_type(t))
+    if op == "MUL":
+        return tt == int(GGMLType.F32)
+    if op == "MUL_MAT":
+        return bool(ctypes.cast(_F["ggml_get_type_traits_cpu"](tt).contents.vec_dot, ctypes.c_void_p).value)
+    if op == "GET_ROWS":
+        if tt in (int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.I32)):
+            return True
+        return bool(ctypes.cast(_F["ggml_get_type_traits"](tt).contents.to_float, ctypes.c_void_p).value)
+    raise ValueError(f"cpu_can_use: op {op!r} is not one of MUL_MAT, GET_ROWS, MUL")

@@ -3,7 +3,10 @@
 * :class:`~kvcache_ggml.runtime.model.Model` -- a llama GGUF in ggml backend buffers (``llama_model``);
 * :class:`~kvcache_ggml.runtime.context.Context` -- a KV cache and a scheduler; ``decode(batch)`` as ``llama_decode``;
 * :func:`~kvcache_ggml.runtime.modelmaker.make_model` -- a random-weight llama GGUF (``make-model``);
-* :class:`~kvcache_ggml.runtime.reference.Reference` -- a float64 numpy forward pass of the same file.
+* :class:`~kvcache_ggml.runtime.reference.Reference` -- a float64 numpy forward pass of the same file;
+* :class:`~kvcache_ggml.runtime.tokenizer.Vocab` -- text <-> ids from the GGUF's vocabulary (``llama_vocab``);
+* :func:`~kvcache_ggml.runtime.memory.kv_memory_plan` -- the KV cache's bytes before allocation;
+* :class:`~kvcache_ggml.runtime.trace.NodeTrace` -- every named node's value, to compare with llama.cpp's.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ _LAZY = {
     "make_model": ".modelmaker",
     "ModelSpec": ".modelmaker",
     "Reference": ".reference",
+    "Vocab": ".tokenizer",
+    "kv_memory_plan": ".memory",
+    "NodeTrace": ".trace",
 }
 
 __all__ = sorted(_LAZY)

@@ -321,6 +321,13 @@ class Context:
         finally:
             self.times.update += _perf() - t0
 
+    def set_eval_callback(self, fn: Any) -> None:
+        """Observe graph nodes as they are computed (llama.cpp's ``cb_eval``): ``fn(tensor, ask) -> bool``, see
+        :meth:`kvcache_ggml._ggml.Sched.set_eval_callback`; None removes it.  :class:`~.trace.NodeTrace` uses it."""
+        if self._sched is None:
+            raise ValueError("the context is closed")
+        self._sched.set_eval_callback(fn)
+
     # ------------------------------------------------------------------ outputs
 
     def get_logits_ith(self, i: int) -> np.ndarray:

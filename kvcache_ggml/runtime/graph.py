@@ -73,9 +73,15 @@ def graph_key(mctx: Any, ubatch: Any, n_outputs: int, kv_unified: bool) -> Graph
                     sinfo.s0, sinfo.s1, ubatch.token is None)
 
 
-def _rms_norm(c: int, x: Any, weight: Any, eps: float) -> Any:
-    """x [n, m] normalized over ne0 and scaled by weight [n]."""
-    return G.ggml_mul(c, G.ggml_rms_norm(c, x, eps), weight)
+def _cb(t: Any, name: str, il: int = -1) -> Any:
+    """Name a node as llama.cpp's graph callback does (``name-il`` in a layer), so traces can be compared."""
+    G.set_name(t, f"{name}-{il}" if il >= 0 else name)
+    return t
+
+
+def _rms_norm(c: int, x: Any, weight: Any, eps: float, il: int) -> Any:
+    """x [n, m] normalized over ne0 and scaled by weight [n] (build_norm: "norm", then the caller's name)."""
+    return G.ggml_mul(c, _cb(G.ggml_rms_norm(c, x, eps), "norm", il), weight)
 
 
 def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any, key: GraphKey, *,
@@ -98,7 +104,7 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
         inp_l = embd
     else:
         tokens = new_input(_I32, (n_tokens,), "inp_tokens")                    # [n_tokens]
-        inp_l = G.ggml_get_rows(c, model.tok_embd, tokens)                       # [n_embd, n_tokens] F32
+        inp_l = _cb(G.ggml_get_rows(c, model.tok_embd, tokens), "embd")        # [n_embd, n_tokens] F32
     pos = new_input(_I32, (n_tokens,), "inp_pos")                              # [n_tokens]
     out_ids = new_input(_I32, (n_outputs,), "inp_out_ids")                     # [n_outputs]
     k_idxs = mctx.build_input_k_idxs(ctx, ubatch)                              # I64 [n_tokens]
@@ -113,16 +119,19 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
         lw = model.layers[il]
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         inp_sa = inp_l
-        cur = _rms_norm(c, inp_l, lw.attn_norm, hp.f_norm_rms_eps)             # [n_embd, n_tokens]
+        cur = _cb(_rms_norm(c, inp_l, lw.attn_norm, hp.f_norm_rms_eps, il), "attn_norm", il)  # [n_embd, n_tokens]
 
-        q = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wq, cur), d, n_head, n_tokens)     # [d, n_head, n_tokens]
-        k = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wk, cur), d, n_head_kv, n_tokens)  # [d, n_head_kv, n_tok]
-        v = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wv, cur), d, n_head_kv, n_tokens)  # [d, n_head_kv, n_tok]
+        q = _cb(G.ggml_mul_mat(c, lw.wq, cur), "Qcur", il)                       # [n_embd_q, n_tokens]
+        k = _cb(G.ggml_mul_mat(c, lw.wk, cur), "Kcur", il)                       # [n_embd_k_gqa, n_tokens]
+        v = _cb(G.ggml_mul_mat(c, lw.wv, cur), "Vcur", il)                       # [n_embd_v_gqa, n_tokens]
+        q = G.ggml_reshape_3d(c, q, d, n_head, n_tokens)                         # [d, n_head, n_tokens]
+        k = G.ggml_reshape_3d(c, k, d, n_head_kv, n_tokens)                      # [d, n_head_kv, n_tokens]
+        v = _cb(G.ggml_reshape_3d(c, v, d, n_head_kv, n_tokens), "Vcur", il)   # [d, n_head_kv, n_tokens]
         rope = (model.get_rope_factors(cparams, il), hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn,
                 model.get_rope_freq_base(cparams, il), model.get_rope_freq_scale(cparams, il),
                 cparams.yarn_ext_factor, cparams.yarn_attn_factor, cparams.yarn_beta_fast, cparams.yarn_beta_slow)
-        q = G.ggml_rope_ext(c, q, pos, *rope)                                   # [d, n_head, n_tokens]
-        k = G.ggml_rope_ext(c, k, pos, *rope)                                   # [d, n_head_kv, n_tokens]
+        q = _cb(G.ggml_rope_ext(c, q, pos, *rope), "Qcur", il)                  # [d, n_head, n_tokens]
+        k = _cb(G.ggml_rope_ext(c, k, pos, *rope), "Kcur", il)                  # [d, n_head_kv, n_tokens]
 
         # as build_attn: q, v, k first (keeps the graph's order), then the stores into the cache
         graph.expand(q)
@@ -132,30 +141,30 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
         graph.expand(mctx.cpy_v(ctx, v, v_idxs, il))
         k_all = mctx.get_k(ctx, il)        # [d, n_head_kv, n_kv, ns]
         v_all = mctx.get_v(ctx, il)        # [d, n_head_kv, n_kv, ns] or transposed [n_kv, n_head_kv, d, ns]
-        cur = _attention(c, q, k_all, v_all, mask, kq_scale, flash_attn, fa_cast_f32_kv)  # [d*n_head, n_tokens]
-        graph.expand(cur)
-        cur = G.ggml_mul_mat(c, lw.wo, cur)                                     # [n_embd, n_tokens]
+        cur = _attention(c, q, k_all, v_all, mask, kq_scale, flash_attn, fa_cast_f32_kv, il)  # [d*n_head, n_tok]
+        graph.expand(_cb(cur, "kqv_out", il))
+        cur = _cb(G.ggml_mul_mat(c, lw.wo, cur), "attn_out", il)               # [n_embd, n_tokens]
 
         if il == hp.n_layer - 1:
             cur = G.ggml_get_rows(c, cur, out_ids)                              # [n_embd, n_outputs]
             inp_sa = G.ggml_get_rows(c, inp_sa, out_ids)                        # [n_embd, n_outputs]
-        ffn_inp = G.ggml_add(c, cur, inp_sa)
-        cur = _rms_norm(c, ffn_inp, lw.ffn_norm, hp.f_norm_rms_eps)
-        gate = G.ggml_mul_mat(c, lw.ffn_gate, cur)                              # [n_ff, n]
-        up = G.ggml_mul_mat(c, lw.ffn_up, cur)                                  # [n_ff, n]
-        cur = G.ggml_mul_mat(c, lw.ffn_down, G.ggml_swiglu_split(c, gate, up))  # [n_embd, n]
-        inp_l = G.ggml_add(c, cur, ffn_inp)
+        ffn_inp = _cb(G.ggml_add(c, cur, inp_sa), "ffn_inp", il)                # [n_embd, n]
+        cur = _cb(_rms_norm(c, ffn_inp, lw.ffn_norm, hp.f_norm_rms_eps, il), "ffn_norm", il)
+        up = _cb(G.ggml_mul_mat(c, lw.ffn_up, cur), "ffn_up", il)               # [n_ff, n]
+        gate = _cb(G.ggml_mul_mat(c, lw.ffn_gate, cur), "ffn_gate", il)         # [n_ff, n]
+        cur = _cb(G.ggml_swiglu_split(c, gate, up), "ffn_swiglu", il)           # [n_ff, n]
+        cur = _cb(G.ggml_mul_mat(c, lw.ffn_down, cur), "ffn_out", il)           # [n_embd, n]
+        inp_l = _cb(G.ggml_add(c, cur, ffn_inp), "l_out", il)                   # [n_embd, n]
 
-    cur = _rms_norm(c, inp_l, model.output_norm, hp.f_norm_rms_eps)            # [n_embd, n_outputs]
-    logits = G.ggml_mul_mat(c, model.output, cur)                               # [n_vocab, n_outputs]
-    G.set_name(logits, "result_output")
+    cur = _cb(_rms_norm(c, inp_l, model.output_norm, hp.f_norm_rms_eps, -1), "result_norm")  # [n_embd, n_out]
+    logits = _cb(G.ggml_mul_mat(c, model.output, cur), "result_output")         # [n_vocab, n_outputs]
     G.ggml_set_output(logits)
     graph.expand(logits)
     return DecoderGraph(key, graph, tokens, embd, pos, out_ids, k_idxs, v_idxs, kq_mask, logits)
 
 
 def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash_attn: bool,
-               fa_cast_f32_kv: bool) -> Any:
+               fa_cast_f32_kv: bool, il: int) -> Any:
     """Multi-head attention of q [d, n_head, n_tokens] over the cache views k and v (build_attn_mha).
 
     Returns [d*n_head, n_tokens] with the tokens of stream s at rows s*n_tps .. (s+1)*n_tps - 1.
@@ -177,17 +186,17 @@ def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash
                 k = G.ggml_cast(c, k, _F16)
             if G.ttype(v) == _F32:
                 v = G.ggml_cast(c, v, _F16)
-        cur = G.ggml_flash_attn_ext(c, q, k, v, mask, kq_scale, 0.0, 0.0)       # [d, n_head, n_tps, ns]
+        cur = _cb(G.ggml_flash_attn_ext(c, q, k, v, mask, kq_scale, 0.0, 0.0), "__fattn__", il)  # [d,n_head,n_tps,ns]
         G.ggml_flash_attn_ext_set_prec(cur, _GGML_PREC_F32)
         ne = G.ne(cur)
         return G.ggml_reshape_2d(c, cur, ne[0] * ne[1], ne[2] * ne[3])         # [d*n_head, n_tokens]
 
-    kq = G.ggml_mul_mat(c, k, q)                                                # [n_kv, n_tps, n_head, ns]
+    kq = _cb(G.ggml_mul_mat(c, k, q), "kq", il)                                 # [n_kv, n_tps, n_head, ns]
     G.ggml_mul_mat_set_prec(kq, _GGML_PREC_F32)
-    kq = G.ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0)                        # [n_kv, n_tps, n_head, ns]
+    kq = _cb(G.ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0), "kq_soft_max", il)  # [n_kv, n_tps, n_head, ns]
     if not v_trans:
-        v = G.ggml_cont(c, G.ggml_transpose(c, v))                              # [n_kv, d, n_head_kv, ns]
-    kqv = G.ggml_mul_mat(c, v, kq)                                              # [d, n_tps, n_head, ns]
+        v = _cb(G.ggml_cont(c, G.ggml_transpose(c, v)), "v_cont", il)           # [n_kv, d, n_head_kv, ns]
+    kqv = _cb(G.ggml_mul_mat(c, v, kq), "kqv", il)                              # [d, n_tps, n_head, ns]
     cur = G.ggml_permute(c, kqv, 0, 2, 1, 3)                                    # [d, n_head, n_tps, ns]
     ne = G.ne(cur)
     return G.ggml_cont_2d(c, cur, ne[0] * ne[1], ne[2] * ne[3])                 # [d*n_head, n_tokens]

@@ -13,7 +13,9 @@ n_threads}, "ops": [...]}`` with ops ``{"op": "decode", "tokens", "pos", "seq" (
 (answer: ``ret`` and ``logits`` base64 float32 rows of the output tokens, batch order), ``seq_rm/seq_cp/seq_keep/
 seq_add/seq_div`` (``args``), ``pos_min/pos_max`` (``seq``), ``clear``, ``state_seq_get`` (``seq``; answer ``blob``
 base64), ``state_seq_set`` (``seq``, ``blob``), ``bench`` (``prompt``, ``n_gen``, ``n_par``, ``reps``; answer
-seconds).
+seconds).  With ``"trace": true`` in params every decode answer also has ``nodes``: ``[name, ggml type,
+base64 data]`` of each named, contiguous, non-view node in compute order, from llama.cpp's ``cb_eval`` (compare
+with :class:`~kvcache_ggml.runtime.trace.NodeTrace`).
 """
 from __future__ import annotations
 
@@ -58,57 +60,64 @@ def b64_floats(data: bytes | str, n_cols: int):
     return np.frombuffer(raw, np.float32).reshape(-1, n_cols)
 
 
+def trace_nodes(answer: dict) -> list:
+    """(name, array) per node of a decode answer of a traced run (F32 as float32, F16 as float16, else bytes)."""
+    import numpy as np
+    dtypes = {0: np.float32, 1: np.float16, 26: np.int32}
+    return [(name, np.frombuffer(base64.b64decode(data), dtypes.get(t, np.uint8)))
+            for name, t, data in answer.get("nodes", [])]
+
+
+def _node_recorder(L, store: list):  # pragma: no cover - oracle side
+    """A cb_eval that appends [name, type, base64 data] of each named, contiguous, non-view node to ``store``."""
+    import ctypes
+    libdir = os.path.join(os.path.dirname(L.__file__), "lib")
+    base = ctypes.CDLL(os.path.join(libdir, "libggml-base.so"))
+    for fn, res, args in (("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
+                          ("ggml_op_desc", ctypes.c_char_p, [ctypes.c_void_p]),
+                          ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
+                          ("ggml_is_contiguous", ctypes.c_bool, [ctypes.c_void_p]),
+                          ("ggml_backend_tensor_get", None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                             ctypes.c_size_t])):
+        getattr(base, fn).restype, getattr(base, fn).argtypes = res, args
+    views = {b"VIEW", b"RESHAPE", b"PERMUTE", b"TRANSPOSE"}
+
+    def cb(t, ask, user):
+        name = base.ggml_get_name(t) or b""
+        if ask:
+            return (bool(name) and b"(" not in name and not name.startswith((b"leaf_", b"node_"))
+                    and base.ggml_op_desc(t) not in views and base.ggml_is_contiguous(t))
+        n = base.ggml_nbytes(t)
+        buf = (ctypes.c_uint8 * max(n, 1))()
+        base.ggml_backend_tensor_get(t, buf, 0, n)
+        ttype = ctypes.c_int32.from_address(t).value  # struct ggml_tensor starts with its enum ggml_type
+        store.append([name.decode(), ttype, base64.b64encode(bytes(buf)[:n]).decode()])
+        return True
+
+    return L.ggml_backend_sched_eval_callback(cb)
+
+
 # ============================================================================ the oracle's side (llama_cpp)
 
 def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     import llama_cpp as L
+    import numpy as np
 
     spec = json.loads(sys.stdin.read())
     if not spec.get("verbose"):
         cb = L.llama_log_callback(lambda level, text, user: None)
         L.llama_log_set(cb, None)
     L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    mp.n_gpu_layers = 0
-    model = L.llama_model_load_from_file(spec["model"].encode(), mp)
-    if not model:
-        print(json.dumps({"error": "model load failed"}), flush=True)
-        return 1
-    cp = _context_params(L, spec.get("params", {}))
-    ctx = L.llama_init_from_model(model, cp)
+    if spec.get("vocab_only"):
+        return _vocab_main(L, spec)
+    pr = spec.get("params", {})
+    nodes: list = []
+    model, ctx, recorder = _open(L, spec["model"], pr, nodes)
     if not ctx:
-        print(json.dumps({"error": "context creation failed"}), flush=True)
         return 1
     mem = L.llama_get_memory(ctx)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    decode = _decoder(L, ctx, n_vocab, max(1, cp.n_seq_max))
-    for op in spec["ops"]:
-        print(json.dumps(_answer(L, ctx, mem, decode, op, n_vocab)), flush=True)
-    L.llama_free(ctx)
-    L.llama_model_free(model)
-    return 0
-
-
-def _context_params(L, pr: dict):  # pragma: no cover - oracle side
-    """llama_context_params from the spec's ``params`` (llama.cpp's defaults where absent)."""
-    cp = L.llama_context_default_params()
-    cp.n_ctx = pr.get("n_ctx", 512)
-    cp.n_batch = pr.get("n_batch", 2048)
-    cp.n_ubatch = pr.get("n_ubatch", 512)
-    cp.n_seq_max = pr.get("n_seq_max", 1)
-    cp.n_threads = cp.n_threads_batch = pr.get("n_threads", 1)
-    cp.kv_unified = bool(pr.get("kv_unified", False))
-    cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if pr.get("flash_attn", True)
-                          else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-    cp.type_k = _GGML_TYPE[pr.get("type_k", "f16")]
-    cp.type_v = _GGML_TYPE[pr.get("type_v", "f16")]
-    cp.no_perf = True
-    return cp
-
-
-def _decoder(L, ctx, n_vocab: int, n_seq_max: int):  # pragma: no cover - oracle side
-    """decode(tokens, pos, seqs, flags) -> (llama_decode's return, float32 [n_outputs, n_vocab] logits)."""
-    import numpy as np
+    n_seq_max = max(1, pr.get("n_seq_max", 1))
 
     def decode(tokens, pos, seqs, flags):
         n = len(tokens)
@@ -134,22 +143,39 @@ def _decoder(L, ctx, n_vocab: int, n_seq_max: int):  # pragma: no cover - oracle
         arr = np.asarray(rows, np.float32).reshape(-1, n_vocab)
         return ret, arr
 
-    return decode
+    for op in spec["ops"]:
+        kind = op["op"]
+        ans: dict = {"op": kind}
+        if kind == "decode":
+            n = len(op["tokens"])
+            seqs = op.get("seq") or [[0]] * n
+            flags = op.get("logits") or [0] * (n - 1) + [1]
+            nodes.clear()
+            ret, arr = decode(op["tokens"], op["pos"], seqs, flags)
+            ans.update(ret=ret, logits=base64.b64encode(arr.tobytes()).decode(), n_vocab=n_vocab)
+            if pr.get("trace"):
+                ans["nodes"] = list(nodes)
+        elif kind in _MEMORY_OPS:
+            _memory_op(L, ctx, mem, op, ans)
+        elif kind == "bench":
+            ans.update(_bench(L, ctx, mem, decode, op, n_vocab))
+        else:
+            ans["error"] = f"unknown op {kind!r}"
+        print(json.dumps(ans), flush=True)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
+    return 0
 
 
-def _answer(L, ctx, mem, decode, op: dict, n_vocab: int) -> dict:  # pragma: no cover - oracle side
-    """Run one op of the spec; its answer."""
+_MEMORY_OPS = ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "pos_max", "pos_min", "clear", "state_seq_get",
+               "state_seq_set")
+
+
+def _memory_op(L, ctx, mem, op: dict, ans: dict) -> None:  # pragma: no cover - oracle side
+    """The sequence, position and state operations."""
     import ctypes
-
     kind = op["op"]
-    ans: dict = {"op": kind}
-    if kind == "decode":
-        n = len(op["tokens"])
-        seqs = op.get("seq") or [[0]] * n
-        flags = op.get("logits") or [0] * (n - 1) + [1]
-        ret, arr = decode(op["tokens"], op["pos"], seqs, flags)
-        ans.update(ret=ret, logits=base64.b64encode(arr.tobytes()).decode(), n_vocab=n_vocab)
-    elif kind in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"):
+    if kind in ("seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div"):
         ans["ret"] = getattr(L, "llama_memory_" + kind)(mem, *op["args"])
     elif kind == "pos_max":
         ans["ret"] = L.llama_memory_seq_pos_max(mem, op["seq"])
@@ -162,15 +188,74 @@ def _answer(L, ctx, mem, decode, op: dict, n_vocab: int) -> dict:  # pragma: no 
         buf = (ctypes.c_uint8 * max(size, 1))()
         got = L.llama_state_seq_get_data(ctx, buf, size, op["seq"])
         ans.update(size=size, blob=base64.b64encode(bytes(buf)[:got]).decode())
-    elif kind == "state_seq_set":
+    else:  # state_seq_set
         raw = base64.b64decode(op["blob"])
         buf = (ctypes.c_uint8 * max(len(raw), 1)).from_buffer_copy(raw or b"\0")
         ans["ret"] = L.llama_state_seq_set_data(ctx, buf, len(raw), op["seq"])
-    elif kind == "bench":
-        ans.update(_bench(L, ctx, mem, decode, op, n_vocab))
-    else:
-        ans["error"] = f"unknown op {kind!r}"
-    return ans
+
+
+def _open(L, path: str, pr: dict, nodes: list):  # pragma: no cover - oracle side
+    """Model and context as the spec's params say; (model, ctx, cb_eval keep-alive), ctx None on failure."""
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(path.encode(), mp)
+    if not model:
+        print(json.dumps({"error": "model load failed"}), flush=True)
+        return None, None, None
+    cp = L.llama_context_default_params()
+    cp.n_ctx = pr.get("n_ctx", 512)
+    cp.n_batch = pr.get("n_batch", 2048)
+    cp.n_ubatch = pr.get("n_ubatch", 512)
+    cp.n_seq_max = pr.get("n_seq_max", 1)
+    cp.n_threads = cp.n_threads_batch = pr.get("n_threads", 1)
+    cp.kv_unified = bool(pr.get("kv_unified", False))
+    cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if pr.get("flash_attn", True)
+                          else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+    cp.type_k = _GGML_TYPE[pr.get("type_k", "f16")]
+    cp.type_v = _GGML_TYPE[pr.get("type_v", "f16")]
+    cp.no_perf = True
+    recorder = None
+    if pr.get("trace"):
+        recorder = _node_recorder(L, nodes)  # kept alive by the caller until the context is freed
+        cp.cb_eval = recorder
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        print(json.dumps({"error": "context creation failed"}), flush=True)
+    return model, ctx, recorder
+
+
+def _vocab_main(L, spec) -> int:  # pragma: no cover - oracle side
+    """A vocabulary-only model: ops ``tokenize`` (``text``, ``add_special``, ``parse_special``; answer ``tokens``)
+    and ``detokenize`` (``tokens``, ``special``; answer ``text``)."""
+    import ctypes
+    mp = L.llama_model_default_params()
+    mp.vocab_only = True
+    model = L.llama_model_load_from_file(spec["model"].encode(), mp)
+    if not model:
+        print(json.dumps({"error": "model load failed"}), flush=True)
+        return 1
+    vocab = L.llama_model_get_vocab(model)
+    for op in spec["ops"]:
+        ans: dict = {"op": op["op"]}
+        if op["op"] == "tokenize":
+            raw = op["text"].encode()
+            cap = len(raw) + 8
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(vocab, raw, len(raw), buf, cap, op.get("add_special", True),
+                                 op.get("parse_special", False))
+            ans["tokens"] = list(buf[:n]) if n >= 0 else {"error": n}
+        elif op["op"] == "detokenize":
+            toks = op["tokens"]
+            arr = (L.llama_token * max(len(toks), 1))(*toks)
+            cap = 16 * len(toks) + 16
+            out = ctypes.create_string_buffer(cap)
+            n = L.llama_detokenize(vocab, arr, len(toks), out, cap, False, op.get("special", False))
+            ans["text"] = base64.b64encode(out.raw[:max(n, 0)]).decode()
+        else:
+            ans["error"] = f"unknown op {op['op']!r}"
+        print(json.dumps(ans), flush=True)
+    L.llama_model_free(model)
+    return 0
 
 
 def _bench(L, ctx, mem, decode, op, n_vocab):  # pragma: no cover - oracle side

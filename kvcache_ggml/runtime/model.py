@@ -3,7 +3,11 @@
 Weights are read with the ``gguf`` package and copied into one backend buffer per buffer type: the token
 embeddings on the CPU (llama.cpp's input layer), layer ``il`` on ``dev_layer(il)``, the output norm and head on
 ``dev_output()``.  Both hooks default to the CPU device; another module (a backends/placement module) passes its
-own to put layers elsewhere.  The object is what :class:`~kvcache_ggml.cache.KVCache` expects of a model:
+own to put layers elsewhere.  As llama.cpp (``make_cpu_buft_list`` / ``select_weight_buft``), a weight on the CPU
+goes to the first of the CPU's extra buffer types (``CPU_REPACK``: Q4_0, Q4_K, IQ4_NL ... in repacked layouts with
+their own matrix kernels) whose device supports the op that uses it, else to the plain CPU buffer type; a weight no
+buffer type can serve is a ValueError naming the tensor, its type and the op.  The object is what
+:class:`~kvcache_ggml.cache.KVCache` expects of a model:
 ``hparams``, ``dev_layer(il)`` and ``get_rope_freq_base/scale/factors(cparams, il)``.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _ggml as G
+from .._gguf import GGUFFile
 from ..cparams import layer_rope_freq
 from ..hparams import HParams, RopeType
 
@@ -24,6 +29,8 @@ __all__ = ["Model", "LayerWeights", "cpu_device"]
 _SUPPORTED_ARCHS = ("llama",)
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                   "ffn_down")
+# the op that uses each weight (llama.cpp's LLM_TENSOR_INFOS); None: no op check (plain buffer type)
+_OP_OF = {"token_embd": "GET_ROWS", "attn_norm": "MUL", "ffn_norm": "MUL", "output_norm": "MUL", "rope_freqs": None}
 
 
 def cpu_device() -> int:
@@ -67,9 +74,7 @@ class Model:
     """Weights and hyper-parameters of a llama GGUF, owned until :meth:`close` (or the ``with`` block ends)."""
 
     def __init__(self, path: str | PathLike, *, dev_layer: Callable[[int], Any] | None = None,
-                 dev_output: Callable[[], Any] | None = None) -> None:
-        from gguf import GGUFReader  # the `test` extra installs it
-
+                 dev_output: Callable[[], Any] | None = None, use_extra_bufts: bool = True) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"model file {str(self.path)!r} does not exist")
@@ -86,6 +91,9 @@ class Model:
         self._dev_layer_hook = dev_layer
         self._dev_output_hook = dev_output
         self._cpu_dev = cpu_device()
+        # llama.cpp's CPU buffer-type list: the extra (repacked) types first, the plain CPU type last
+        self._cpu_bufts = ((G.extra_bufts(self._cpu_dev) if use_extra_bufts else [])
+                           + [G.ggml_backend_dev_buffer_type(self._cpu_dev)])
         self._placements: list[_Placement] = []
         self.tensors: dict[str, Any] = {}        # GGUF name -> TensorP in a backend buffer
         self.layers: list[LayerWeights] = []
@@ -94,11 +102,12 @@ class Model:
         self.output: Any = None                  # [n_embd, n_vocab] (token_embd when tied)
         self.rope_freqs: Any = None              # F32 [n_rot/2] frequency factors, or None
 
-        reader = GGUFReader(str(self.path))
-        self.name = _field(reader, "general.name", self.path.stem)
-        self.vocab: list[str] = list(_field(reader, "tokenizer.ggml.tokens", []))
-        self.bos_token_id = int(_field(reader, "tokenizer.ggml.bos_token_id", -1))
-        self.eos_token_id = int(_field(reader, "tokenizer.ggml.eos_token_id", -1))
+        reader = GGUFFile(self.path)
+        self.gguf_kv: dict[str, Any] = reader.kv                 # every key/value of the file (the tokenizer's)
+        self.name = reader.kv.get("general.name", self.path.stem)
+        self.vocab: list[str] = list(reader.kv.get("tokenizer.ggml.tokens", []))
+        self.bos_token_id = int(reader.kv.get("tokenizer.ggml.bos_token_id", -1))
+        self.eos_token_id = int(reader.kv.get("tokenizer.ggml.eos_token_id", -1))
         try:
             self._load(reader)
         except BaseException:
@@ -142,6 +151,10 @@ class Model:
                 seen.append(dev)
         return seen
 
+    def buffer_types(self) -> dict[str, str]:
+        """GGUF tensor name -> name of the buffer type holding it ("CPU", "CPU_REPACK", ...)."""
+        return {name: G.buft_name(pl.buft) for pl in self._placements for name in pl.names}
+
     # ------------------------------------------------------------------ sizes
 
     def n_params(self) -> int:
@@ -152,17 +165,34 @@ class Model:
 
     # ------------------------------------------------------------------ loading
 
-    def _buft_of(self, name: str) -> int:
+    def _buft_of(self, name: str, wtype: int, ne: tuple[int, ...]) -> int:
+        """The buffer type of weight ``name``: the first of its device's list that supports the op using it
+        (llama.cpp's lists: a GPU's own buffer type, then the CPU list; the CPU list is the extra types, then the
+        plain CPU type)."""
         if name.startswith("blk."):
-            il = int(name.split(".")[1])
-            return G.ggml_backend_dev_buffer_type(self.dev_layer(il))
-        if name in ("output_norm.weight", "output.weight", "rope_freqs.weight"):
-            return G.ggml_backend_dev_buffer_type(self.dev_output())
-        return G.cpu_buffer_type()  # token_embd: the input layer stays on the host, as llama.cpp
+            dev = self.dev_layer(int(name.split(".")[1]))
+        elif name in ("output_norm.weight", "output.weight", "rope_freqs.weight"):
+            dev = self.dev_output()
+        else:
+            dev = self._cpu_dev  # token_embd: the input layer stays on the host, as llama.cpp
+        cands = [(self._cpu_dev, b) for b in self._cpu_bufts]
+        if G.ggml_backend_dev_type(dev) != G.DeviceType.CPU:
+            cands.insert(0, (dev, G.ggml_backend_dev_buffer_type(dev)))
+        op = _OP_OF.get(name.split(".")[-2], "MUL_MAT")
+        if op is None:
+            return cands[0][1] if len(cands) > len(self._cpu_bufts) else cands[-1][1]
+        for d, buft in cands:
+            # the CPU says yes to every type: a type without a CPU kernel would crash the compute
+            cpu_ok = d != self._cpu_dev or G.cpu_can_use(wtype, op)
+            if cpu_ok and G.weight_op_supported(d, buft, wtype, ne, op):
+                return buft
+        raise ValueError(f"{self.path}: tensor {name} has type {G.type_name(wtype)}, which no buffer type can use "
+                         f"for {op} (tried {', '.join(G.buft_name(b) for _, b in cands)}; ggml's CPU backend has "
+                         f"{'a' if G.cpu_can_use(wtype, op) else 'no'} {op} kernel for it)")
 
     def _load(self, reader: Any) -> None:
         hp = self.hparams
-        by_name = {t.name: t for t in reader.tensors}
+        by_name = reader.tensors
         need = ["token_embd.weight", "output_norm.weight"]
         need += [f"blk.{il}.{n}.weight" for il in range(hp.n_layer) for n in _LAYER_TENSORS]
         missing = [n for n in need if n not in by_name]
@@ -173,18 +203,21 @@ class Model:
 
         plan: dict[int, _Placement] = {}
         for name in names:
-            buft = self._buft_of(name)
+            rt = by_name[name]
+            wtype = _checked_type(self.path, name, rt)
+            buft = self._buft_of(name, wtype, rt.ne)
             plan.setdefault(buft, _Placement(buft, [])).names.append(name)
         self._placements = list(plan.values())
         for pl in self._placements:
             pl.ctx = G.Context.for_tensors(len(pl.names))
             for name in pl.names:
                 rt = by_name[name]
-                ne = tuple(int(d) for d in rt.shape)  # gguf stores dims in ggml ne order
-                self.tensors[name] = pl.ctx.new_tensor(int(rt.tensor_type), ne, name)
+                self.tensors[name] = pl.ctx.new_tensor(rt.type, rt.ne, name)  # GGUF stores dims in ne order
+            # a repacking buffer type rearranges the data in ggml_backend_tensor_set
             pl.buf = G.BackendBuffer.for_context(pl.ctx, pl.buft)
             for name in pl.names:
-                _upload(self.tensors[name], by_name[name].data, name)
+                t = self.tensors[name]
+                _upload(t, reader.data(name, G.nbytes(t)), name)
 
         t = self.tensors
         self.tok_embd = t["token_embd.weight"]
@@ -250,9 +283,13 @@ class Model:
                 f"{hp.n_head(0)}/{hp.n_head_kv(0)} heads, n_vocab {hp.n_vocab}{' closed' if self.closed else ''}>")
 
 
-def _field(reader: Any, key: str, default: Any) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _checked_type(path: Path, name: str, rt: Any) -> int:
+    """The ggml type id of GGUF tensor rt; ValueError naming the tensor when this ggml cannot store that type."""
+    t = rt.type
+    if t not in G.GGMLType._value2member_map_ or G.blck_size(t) <= 0:
+        raise ValueError(f"{path}: tensor {name} has ggml type id {t}, which this ggml ({G.version()}) cannot "
+                         "store")
+    return t
 
 
 def _upload(t: Any, data: np.ndarray, name: str) -> None:

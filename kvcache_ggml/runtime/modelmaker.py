@@ -1,9 +1,13 @@
 """``python -m kvcache_ggml make-model OUT.gguf``: a random-weight llama GGUF that llama.cpp also loads.
 
 The file has the llama architecture's keys and tensors (``token_embd``, per layer ``attn_norm``, ``attn_q/k/v``,
-``attn_output``, ``ffn_norm``, ``ffn_gate/up/down``, then ``output_norm`` and ``output``) and a minimal SPM
-vocabulary (``<unk>``, ``<s>``, ``</s>``, then plain pieces ``t0``, ``t1``, ...).  Norm weights stay F32; the
-matrices are F32, F16 or Q8_0.  Nothing is downloaded: every weight comes from a seeded numpy generator.
+``attn_output``, ``ffn_norm``, ``ffn_gate/up/down``, then ``output_norm`` and ``output``) and either a minimal SPM
+vocabulary (``<unk>``, ``<s>``, ``</s>``, then plain pieces ``t0``, ``t1``, ...) or the tokenizer of another GGUF
+(``vocab_from``: every ``tokenizer.*`` key of, say, llama.cpp's ``ggml-vocab-gpt-2.gguf``; the vocabulary size is
+then that tokenizer's).  Norm weights stay F32; the matrices take any ggml type the CPU can store (F32, F16, BF16,
+Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ and TQ types, MXFP4), quantized by ggml's own ``ggml_quantize_chunk`` (an
+all-ones importance matrix for the types that need one); the embeddings and the output can take another type.
+Nothing is downloaded: every weight comes from a seeded numpy generator.
 """
 from __future__ import annotations
 
@@ -14,10 +18,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ModelSpec", "make_model", "main"]
+from .. import _ggml as G
 
-_WEIGHT_TYPES = ("f32", "f16", "q8_0")
-_Q8_0_BLOCK = 32  # elements per Q8_0 block: a quantized matrix needs rows that are a multiple of this
+__all__ = ["ModelSpec", "make_model", "main", "WEIGHT_TYPES"]
+
+WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K",
+                "q6_K", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "iq4_nl", "iq4_xs",
+                "tq1_0", "tq2_0", "mxfp4")
 
 
 @dataclass(slots=True)
@@ -32,7 +39,9 @@ class ModelSpec:
     vocab: int = 64          # vocabulary size, >= 4 (three special tokens + pieces)
     seed: int = 0            # numpy seed of the weights
     ctx: int = 4096          # llama.context_length (the training context)
-    type: str = "f32"        # storage of the matrices: f32, f16 or q8_0 (norms are always f32)
+    type: str = "f32"        # ggml type of the matrices (WEIGHT_TYPES; norms are always f32)
+    embd_type: str = ""      # ggml type of token_embd and output ("" = type)
+    vocab_from: str = ""     # a GGUF whose tokenizer.* keys to copy ("" = the minimal SPM vocabulary of `vocab`)
     rope_freq_base: float = 10000.0  # llama.rope.freq_base
     rms_eps: float = 1e-5    # llama.attention.layer_norm_rms_epsilon
     tied: bool = False       # no output.weight: the head is token_embd (llama.cpp's tied embeddings)
@@ -50,12 +59,16 @@ class ModelSpec:
             raise ValueError(f"heads {self.heads} must be a multiple of heads_kv {self.heads_kv}")
         if (self.embd // self.heads) % 2:
             raise ValueError(f"the head size embd/heads = {self.embd // self.heads} must be even (RoPE pairs)")
-        if self.type not in _WEIGHT_TYPES:
-            raise ValueError(f"type {self.type!r} is not one of {', '.join(_WEIGHT_TYPES)}")
-        if self.type == "q8_0":
-            for name in ("embd", "ff"):
-                if getattr(self, name) % _Q8_0_BLOCK:
-                    raise ValueError(f"q8_0 needs {name} to be a multiple of {_Q8_0_BLOCK}, got {getattr(self, name)}")
+        for key in ("type", "embd_type"):
+            t = getattr(self, key)
+            if key == "embd_type" and not t:
+                continue
+            if t not in WEIGHT_TYPES:
+                raise ValueError(f"{key} {t!r} is not one of {', '.join(WEIGHT_TYPES)}")
+            block = G.blck_size(t)
+            for name in ("embd", "ff") if key == "type" else ("embd",):
+                if getattr(self, name) % block:
+                    raise ValueError(f"{t} needs {name} to be a multiple of {block}, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -64,18 +77,38 @@ class ModelSpec:
 
 def _file_type(gguf, wtype: str) -> int:
     ft = gguf.LlamaFileType
-    return {"f32": ft.ALL_F32, "f16": ft.MOSTLY_F16, "q8_0": ft.MOSTLY_Q8_0}[wtype]
+    name = {"f32": "ALL_F32", "q4_K": "MOSTLY_Q4_K_M", "q3_K": "MOSTLY_Q3_K_M", "q5_K": "MOSTLY_Q5_K_M",
+            "mxfp4": "MOSTLY_MXFP4_MOE"}.get(wtype, "MOSTLY_" + wtype.upper())
+    return getattr(ft, name, ft.GUESSED)
 
 
 def _add_matrix(writer, gguf, name: str, w: np.ndarray, wtype: str) -> None:
-    """Store w (numpy [rows, cols] = ggml ne [cols, rows]) as wtype."""
+    """Store w (numpy [rows, cols] = ggml ne [cols, rows]) as wtype, quantized by ggml itself."""
     if wtype == "f32":
         writer.add_tensor(name, w.astype(np.float32))
     elif wtype == "f16":
         writer.add_tensor(name, w.astype(np.float16))
     else:
-        q = gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)  # uint8 [rows, bytes]
-        writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        q = G.quantize(wtype, w.astype(np.float32), np.ones(w.shape[1], np.float32))  # uint8 [rows, row bytes]
+        qtype = gguf.GGMLQuantizationType(int(G.parse_type(wtype)))
+        writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
+
+
+def _copy_tokenizer(writer, gguf, path: str) -> int:
+    """Every tokenizer.* key of the GGUF at path; returns its vocabulary size."""
+    reader = gguf.GGUFReader(path)
+    n_vocab = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(field.data)
+    if not n_vocab:
+        raise ValueError(f"{path}: no tokenizer.ggml.tokens to copy")
+    return n_vocab
 
 
 def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Path:
@@ -110,19 +143,13 @@ def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Pat
         writer.add_layer_norm_rms_eps(spec.rms_eps)
         writer.add_rope_freq_base(spec.rope_freq_base)
         writer.add_file_type(_file_type(gguf, spec.type))
-        pieces = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(spec.vocab - 3)]
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(pieces)
-        writer.add_token_scores([0.0] * spec.vocab)
-        writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-                               + [gguf.TokenType.NORMAL] * (spec.vocab - 3))
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_unk_token_id(0)
+        n_vocab = _copy_tokenizer(writer, gguf, spec.vocab_from) if spec.vocab_from else _add_spm_vocab(
+            writer, gguf, spec.vocab)
+        etype = spec.embd_type or spec.type
 
         n_kv = spec.head_dim * spec.heads_kv
         # unit-variance embeddings: the first RMS norm sees O(1) values
-        _add_matrix(writer, gguf, "token_embd.weight", rng.standard_normal((spec.vocab, spec.embd)), spec.type)
+        _add_matrix(writer, gguf, "token_embd.weight", rng.standard_normal((n_vocab, spec.embd)), etype)
         for il in range(spec.layers):
             b = f"blk.{il}."
             writer.add_tensor(b + "attn_norm.weight", norm_weight())
@@ -136,13 +163,26 @@ def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Pat
             _add_matrix(writer, gguf, b + "ffn_down.weight", normal(spec.embd, spec.ff, spec.ff), spec.type)
         writer.add_tensor("output_norm.weight", norm_weight())
         if not spec.tied:
-            _add_matrix(writer, gguf, "output.weight", normal(spec.vocab, spec.embd, spec.embd), spec.type)
+            _add_matrix(writer, gguf, "output.weight", normal(n_vocab, spec.embd, spec.embd), etype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
     finally:
         writer.close()
     return path
+
+
+def _add_spm_vocab(writer, gguf, n_vocab: int) -> int:
+    """<unk>, <s>, </s>, then pieces t0, t1, ... (llama.cpp loads it as an SPM vocabulary)."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(n_vocab - 3)])
+    writer.add_token_scores([0.0] * n_vocab)
+    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+                           + [gguf.TokenType.NORMAL] * (n_vocab - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    return n_vocab
 
 
 def main(argv: list[str]) -> int:
@@ -158,11 +198,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size (default %(default)s)")
     ap.add_argument("--seed", type=int, default=d.seed, help="weight seed (default %(default)s)")
     ap.add_argument("--ctx", type=int, default=d.ctx, help="training context length (default %(default)s)")
-    ap.add_argument("--type", choices=_WEIGHT_TYPES, default=d.type, help="matrix storage (default %(default)s)")
+    ap.add_argument("--type", choices=WEIGHT_TYPES, default=d.type, help="matrix storage (default %(default)s)")
+    ap.add_argument("--embd-type", choices=WEIGHT_TYPES, help="token_embd/output storage (default: --type)")
+    ap.add_argument("--vocab-from", default="", metavar="GGUF",
+                    help="copy the tokenizer of this GGUF (e.g. llama.cpp's ggml-vocab-gpt-2.gguf); --vocab is ignored")
     ap.add_argument("--tied", action="store_true", help="no output.weight: the head reuses token_embd")
     a = ap.parse_args(argv)
     spec = ModelSpec(layers=a.layers, embd=a.embd, heads=a.heads, heads_kv=a.heads_kv, ff=a.ff, vocab=a.vocab,
-                     seed=a.seed, ctx=a.ctx, type=a.type, tied=a.tied)
+                     seed=a.seed, ctx=a.ctx, type=a.type, tied=a.tied, embd_type=a.embd_type or "",
+                     vocab_from=a.vocab_from)
     try:
         out = make_model(a.out, spec)
     except ValueError as e:

@@ -42,16 +42,22 @@ class Reference:
     """The model of a GGUF file as float64 numpy arrays (numpy layout: [rows, cols] = ggml ne [cols, rows])."""
 
     def __init__(self, path: str | PathLike) -> None:
-        from gguf import GGUFReader
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
         from gguf.quants import dequantize
+
+        from .._gguf import GGUFFile
 
         self.hparams = HParams.from_gguf(path)
         hp = self.hparams
-        reader = GGUFReader(str(path))
+        f = GGUFFile(path)
         w: dict[str, np.ndarray] = {}
-        for t in reader.tensors:
-            a = dequantize(t.data, t.tensor_type)
-            w[t.name] = np.asarray(a, np.float64).reshape(tuple(int(d) for d in reversed(t.shape)))
+        for t in f.tensors.values():
+            qt = GGMLQuantizationType(t.type)
+            block, size = GGML_QUANT_SIZES[qt]
+            rows = int(np.prod(t.ne[1:], dtype=np.int64))
+            raw = np.asarray(f.data(t.name, rows * (t.ne[0] // block) * size)).reshape(rows, -1)
+            a = dequantize(raw, qt)
+            w[t.name] = np.asarray(a, np.float64).reshape(tuple(reversed(t.ne)))
         self.w = w
         self.tok_embd = w["token_embd.weight"]                 # [n_vocab, n_embd]
         self.output = w.get("output.weight", self.tok_embd)    # [n_vocab, n_embd]

@@ -1,0 +1,72 @@
+"""What a context's KV cache will take, before it is allocated: bytes per token x cells, per buffer type.
+
+:func:`kv_memory_plan` resolves the context parameters as :class:`~kvcache_ggml.runtime.context.Context` does
+(``n_ctx = 0`` is the model's ``n_ctx_train``, padded to 256; one stream per sequence unless unified) and sums, per
+buffer type holding layers' K/V, the bytes one cell takes: ``row_size(type_k, n_embd_k_gqa) +
+row_size(type_v, n_embd_v_gqa)`` over those layers.  The same arithmetic as llama.cpp's
+``llama_kv_cache: size = ... MiB (... cells, ... layers, ...)`` line, printed before the buffers exist.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _ggml as G
+from ..cparams import CParams
+
+__all__ = ["KVMemoryLine", "KVMemoryPlan", "kv_memory_plan"]
+
+
+@dataclass(slots=True)
+class KVMemoryLine:
+    """The K/V of the layers in one buffer type."""
+
+    buft: str              # buffer type name ("CPU", "CUDA0", ...)
+    layers: int            # layers whose K/V it holds
+    bytes_per_token: int   # K + V bytes of one cell over those layers
+    cells: int             # cells per stream x streams
+
+    @property
+    def total(self) -> int:
+        return self.bytes_per_token * self.cells
+
+
+@dataclass(slots=True)
+class KVMemoryPlan:
+    """The cache a context will allocate."""
+
+    n_ctx: int                   # resolved context size (tokens, all sequences)
+    kv_size: int                 # cells per stream
+    n_stream: int                # streams
+    lines: list[KVMemoryLine]    # per buffer type
+
+    @property
+    def total(self) -> int:
+        return sum(line.total for line in self.lines)
+
+    def describe(self, type_k: str, type_v: str) -> list[str]:
+        out = [f"KV cache: n_ctx {self.n_ctx} = {self.n_stream} stream(s) x {self.kv_size} cells, K {type_k} / "
+               f"V {type_v}: {self.total / 2**20:.2f} MiB"]
+        out += [f"  {ln.buft}: {ln.layers} layers x {ln.bytes_per_token} B/token x {ln.cells} cells = "
+                f"{ln.total / 2**20:.2f} MiB" for ln in self.lines]
+        return out
+
+
+def kv_memory_plan(model: Any, params: Any) -> KVMemoryPlan:
+    """The KV memory a :class:`Context` over ``model`` with ``params`` (RuntimeParams) will allocate."""
+    params.check()
+    hp = model.hparams
+    cp = CParams.from_hparams(hp, params.context_params())
+    n_stream = 1 if params.kv_unified else cp.n_seq_max
+    tk, tv = G.parse_type(params.type_k), G.parse_type(params.type_v)
+    cpu = G.ggml_backend_dev_by_type(int(G.DeviceType.CPU))
+    per: dict[str, list[int]] = {}
+    for il in range(hp.n_layer):
+        dev = model.dev_layer(il) if params.offload_kqv else cpu
+        name = G.buft_name(G.ggml_backend_dev_buffer_type(dev))
+        b = G.row_size(tk, hp.n_embd_k_gqa(il)) + G.row_size(tv, hp.n_embd_v_gqa(il))
+        acc = per.setdefault(name, [0, 0])
+        acc[0] += 1
+        acc[1] += b
+    lines = [KVMemoryLine(name, n, b, cp.n_ctx_seq * n_stream) for name, (n, b) in per.items()]
+    return KVMemoryPlan(cp.n_ctx, cp.n_ctx_seq, n_stream, lines)

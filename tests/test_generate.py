@@ -1,0 +1,75 @@
+"""`python -m kvcache_ggml generate`: text in, streamed text out; and the KV memory plan (n_ctx = 0)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcache_ggml.generate import SamplerParams, main as generate_main, sample
+from kvcache_ggml.runtime import Context, Model, Reference, RuntimeParams, make_model
+from kvcache_ggml.runtime.memory import kv_memory_plan
+from kvcache_ggml.runtime.modelmaker import ModelSpec
+from kvcache_ggml.runtime.tokenizer import Vocab
+
+GPT2_VOCAB = Path(__file__).parent / "data" / "vocab" / "ggml-vocab-gpt-2.gguf"
+
+
+@pytest.fixture(scope="module")
+def gpt2_model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("gen") / "g.gguf",
+                      ModelSpec(layers=2, embd=64, heads=4, heads_kv=2, ff=96, seed=6, ctx=1024,
+                                vocab_from=str(GPT2_VOCAB)))
+
+
+def test_greedy_text_is_the_reference_continuation(gpt2_model, capsys):
+    prompt = "Hello world, this is"
+    assert generate_main(["--model", str(gpt2_model), "--prompt", prompt, "--n-predict", "6", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    # the float64 numpy forward pass, greedy, independently
+    vocab = Vocab.from_gguf(gpt2_model)
+    ids = vocab.tokenize(prompt)
+    ref = Reference(gpt2_model)
+    for _ in range(6):
+        ids.append(int(np.argmax(ref.forward(ids)[-1])))
+    assert out == prompt + vocab.detokenize(ids[-6:]) + "\n"
+
+
+def test_parallel_sampling_is_seeded(gpt2_model, capsys):
+    args = ["--model", str(gpt2_model), "--prompt", "Once", "--n-predict", "5", "--n-par", "3", "--temp", "0.9",
+            "--seed", "3", "--threads", "1"]
+    assert generate_main(args) == 0
+    first = capsys.readouterr().out
+    assert generate_main(args) == 0
+    assert capsys.readouterr().out == first
+    lines = first.splitlines()
+    assert lines[0].startswith("Once") and [ln[:19] for ln in lines[1:]] == ["--- sequence 1: Onc",
+                                                                              "--- sequence 2: Onc"]
+
+
+def test_sample():
+    rng = np.random.default_rng(0)
+    logits = np.array([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]], np.float32)
+    assert sample(logits, SamplerParams(temp=0.0), rng).tolist() == [1, 0]
+    # top_k = 1 is greedy whatever the temperature
+    assert sample(logits, SamplerParams(temp=2.0, top_k=1), rng).tolist() == [1, 0]
+    draws = np.concatenate([sample(logits[:1], SamplerParams(temp=1.0, top_k=0), rng) for _ in range(4000)])
+    p = np.exp(logits[0] - logits[0].max())
+    p /= p.sum()
+    assert np.allclose(np.bincount(draws, minlength=3) / 4000, p, atol=0.03)
+
+
+def test_memory_plan_before_allocation(gpt2_model):
+    with Model(gpt2_model) as m:
+        for p in (RuntimeParams(n_ctx=0, n_seq_max=3), RuntimeParams(n_ctx=300, n_seq_max=2, kv_unified=True,
+                                                                    type_k="q8_0", type_v="f32")):
+            plan = kv_memory_plan(m, p)
+            with Context(m, p) as ctx:
+                assert plan.n_ctx == ctx.n_ctx() and plan.kv_size == ctx.kv.get_size()
+                assert plan.total == ctx.kv.size_k_bytes() + ctx.kv.size_v_bytes()
+                assert {ln.buft: ln.total for ln in plan.lines} == ctx.kv.memory_breakdown()
+        # n_ctx = 0: the model's training context (1024), split into 3 streams padded to 256
+        plan = kv_memory_plan(m, RuntimeParams(n_ctx=0, n_seq_max=3))
+        assert (plan.n_ctx, plan.kv_size, plan.n_stream) == (3 * 512, 512, 3)
+        hp = m.hparams
+        assert plan.lines[0].bytes_per_token == hp.n_layer * 2 * 2 * hp.n_embd_k_gqa(0)  # f16 K and V

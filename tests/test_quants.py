@@ -1,0 +1,109 @@
+"""Weight types: ggml's own quantization, llama.cpp's buffer-type placement (CPU_REPACK), and the logits of models
+in each type against the float64 numpy forward pass of the same file (which dequantizes with gguf-py, an
+independent implementation)."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from kvcache_ggml import _ggml as G
+from kvcache_ggml.batch import Batch
+from kvcache_ggml.runtime import Context, Model, Reference, make_model
+from kvcache_ggml.runtime.model import cpu_device
+from kvcache_ggml.runtime.modelmaker import ModelSpec
+
+VOCAB = 64
+HAS_REPACK = "CPU_REPACK" in [G.buft_name(b) for b in G.extra_bufts(cpu_device())]
+
+
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_ggml_quantize_matches_gguf_py(wtype):
+    """ggml_quantize_chunk and gguf-py's numpy quantizer give the same bytes (both are the reference rounding)."""
+    import gguf
+    x = np.random.default_rng(1).standard_normal((16, 128)).astype(np.float32)
+    ours = G.quantize(wtype, x)
+    theirs = gguf.quants.quantize(x, gguf.GGMLQuantizationType[wtype.upper()])
+    assert ours.shape == theirs.shape and np.array_equal(ours, theirs)
+
+
+def test_quantize_errors():
+    x = np.zeros((2, 100), np.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        G.quantize("q8_0", x)
+    with pytest.raises(ValueError, match="imatrix"):
+        G.quantize("iq2_xxs", np.ones((2, 256), np.float32))
+    with pytest.raises(ValueError, match="unknown ggml type"):
+        G.quantize("q9_0", x)
+    with pytest.raises(ValueError, match="cannot write q8_K"):
+        G.quantize("q8_K", np.ones((2, 256), np.float32))
+
+
+# placement on an AVX2 CPU (ggml's repack.cpp): Q4_0 8x8, Q4_K 8x8, IQ4_NL 8x8; the others stay in CPU buffers
+REPACKED = {"q4_0", "q4_K", "iq4_nl"}
+
+
+@pytest.mark.parametrize("wtype,tol", [("q4_0", 5e-2), ("q5_1", 5e-2), ("q2_K", 8e-2), ("q3_K", 5e-2),
+                                       ("q4_K", 5e-2), ("q5_K", 5e-2), ("q6_K", 8e-2), ("iq4_nl", 5e-2),
+                                       ("iq4_xs", 5e-2), ("iq2_xxs", 8e-2), ("iq3_s", 8e-2), ("tq2_0", 8e-2)])
+def test_weight_types_run(tmp_path, wtype, tol):
+    path = make_model(tmp_path / f"{wtype}.gguf", ModelSpec(layers=2, embd=256, heads=4, heads_kv=2, ff=256,
+                                                            vocab=VOCAB, seed=2, type=wtype))
+    toks = np.random.default_rng(5).integers(3, VOCAB, 10).astype(np.int32)
+    with Model(path) as m, Context(m, n_ctx=256, n_threads=1, n_threads_batch=1) as ctx:
+        placed = m.buffer_types()
+        got = ctx.decode(Batch(token=toks, logits=np.ones(10, np.int8)))
+        nxt = ctx.decode(Batch(token=toks[:1]))
+    # matrices of the repacked types go to CPU_REPACK; norms and the embeddings (get_rows) never do
+    where = collections.Counter(placed[f"blk.{il}.{n}.weight"] for il in range(2)
+                                for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down"))
+    want = "CPU_REPACK" if (wtype in REPACKED and HAS_REPACK and G.ggml_cpu_has_avx2()) else "CPU"
+    assert where == {want: 12}
+    assert placed["token_embd.weight"] == placed["blk.0.attn_norm.weight"] == "CPU"
+    ref = Reference(path)
+    want_logits = ref.forward(np.append(toks, toks[0]))
+    err = np.abs(np.concatenate([got, nxt]) - want_logits).max() / np.abs(want_logits).max()
+    assert err < tol, f"{wtype}: max rel diff {err:.2e} vs the numpy forward pass"
+
+
+def test_no_extra_bufts_means_plain_cpu(tmp_path):
+    path = make_model(tmp_path / "q40.gguf", ModelSpec(layers=1, embd=64, heads=2, heads_kv=1, ff=64, vocab=VOCAB,
+                                                       type="q4_0"))
+    toks = np.arange(3, 9, dtype=np.int32)
+    outs = []
+    for extra in (True, False):
+        with Model(path, use_extra_bufts=extra) as m, Context(m, n_ctx=256, n_threads=1) as ctx:
+            if not extra:
+                assert set(m.buffer_types().values()) == {"CPU"}
+            outs.append(ctx.decode(Batch(token=toks, logits=np.ones(6, np.int8))))
+    ref = Reference(path).forward(toks)
+    for o in outs:
+        assert np.abs(o - ref).max() / np.abs(ref).max() < 5e-2
+
+
+def test_weight_type_without_cpu_kernel_is_a_clear_error(tmp_path):
+    """Q8_K is an activation format: no CPU matrix kernel takes it as a weight.  The error names tensor and type."""
+    import gguf
+    path = tmp_path / "q8k.gguf"
+    make_model(path, ModelSpec(layers=1, embd=256, heads=4, heads_kv=2, ff=256, vocab=VOCAB))
+    reader = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY and len(f.types) > 1 else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name == "blk.0.attn_q.weight":
+            q = np.zeros((256, G.row_size("q8_K", 256)), np.uint8)  # an activation format: no writer in ggml
+            w.add_tensor(t.name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.weight has type q8_K.*no MUL_MAT kernel"):
+        Model(tmp_path / "bad.gguf")
