@@ -54,7 +54,7 @@ SOURCE = VENDOR_GGML / f"ggml_python-{GGML_PYTHON_VERSION}"
 BUILD_DEPS = ("numpy>=1.24", "scikit-build-core>=0.10", "setuptools>=70.1", "typing_extensions>=4.6.3")
 CMAKE_MIN = (3, 21)  # ggml-python's CMakeLists.txt requires 3.21
 # extras of this project each command needs (the notebooks extra runs the notebook tests)
-COMMAND_EXTRAS = {None: ("test",), "test": ("test", "notebooks"), "demo": ("test",)}
+COMMAND_EXTRAS = {None: ("test", "text"), "test": ("test", "notebooks", "text"), "demo": ("test", "text")}
 STAMP_SCHEMA = 1
 GGML_RECIPE = 3  # bump when the way ggml-python is built changes: forces one rebuild (3: GGML_LLAMAFILE=ON)
 COMMANDS = ("test", "demo", "carry", "cmake-args")

@@ -118,7 +118,11 @@ class Vocab:
         return v
 
     def _build(self) -> None:
-        from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+        try:
+            from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+        except ImportError:
+            raise ImportError("text in and out needs the 'tokenizers' package: pip install 'kvcache_ggml[text]' "
+                              "(python3 build.py installs it)") from None
         n = len(self.tokens)
         self._special = sorted(((self.tokens[i], i, self.types[i] in (TokenType.CONTROL, TokenType.UNKNOWN))
                                 for i in range(n) if self.types[i] in (TokenType.CONTROL, TokenType.USER_DEFINED,
