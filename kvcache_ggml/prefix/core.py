@@ -302,7 +302,7 @@ class PrefixCache(MemoryOpsMixin):
                 self.ctx.memory_seq_rm(s, n, -1)
         if n:
             self._set_tokens(e, m.entry.tokens[:n].copy())
-        e.clean = True
+        e.clean = self.ctx.memory_seq_pos_max(s) + 1 == n
         return n
 
     def _restore(self, h: HostEntry, e: SeqEntry) -> bool:
