@@ -65,6 +65,11 @@ def test_tree_matches_brute_force(entries, queries, data):
     for i in gone:
         tree.remove(i, held.pop(i))
         assert tree.check(held) == []
+    for i in data.draw(st.lists(st.sampled_from(sorted(held)), unique=True)) if held else []:
+        more = data.draw(token_lists)
+        tree.extend(i, held[i], more)          # in place at a leaf of its own, else remove + insert
+        held[i] = np.concatenate([held[i], more])
+        assert tree.check(held) == []
     for q in queries + list(held.values()):
         limit = data.draw(st.one_of(st.none(), st.integers(0, 10)))
         d, node = tree.match(q, limit)

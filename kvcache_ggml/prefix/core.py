@@ -210,10 +210,10 @@ class PrefixCache(MemoryOpsMixin):
         self._tick += 1
         logits = self._decode(Batch(token=toks, seq_id=ids, logits=np.ones(ids.size, np.int8)),
                               {e.stream for e in entries})
-        for e, tok in zip(entries, toks):
+        for k, e in enumerate(entries):
             e.last_used = self._tick
             if e.clean:
-                self._set_tokens(e, np.append(e.tokens, tok))
+                self._append(e, toks[k:k + 1])
         self.stats.tokens_decoded += ids.size
         return logits
 
@@ -345,7 +345,7 @@ class PrefixCache(MemoryOpsMixin):
                                {e.stream})
             rows.append(out.copy())
             if e.clean:
-                self._set_tokens(e, np.concatenate([e.tokens, chunk]))
+                self._append(e, chunk)
             self.stats.tokens_decoded += chunk.size
         return np.concatenate(rows) if logits_all else rows[-1][-1]
 
@@ -411,6 +411,15 @@ class PrefixCache(MemoryOpsMixin):
         e.tokens = tokens
         if tokens.size:
             self.tree.insert(e, tokens)
+
+    def _append(self, e: SeqEntry, more: np.ndarray) -> None:
+        """``e`` now also holds ``more`` after its tokens."""
+        old = e.tokens
+        e.tokens = np.concatenate([old, more])
+        if old.size:
+            self.tree.extend(e, old, more)
+        else:
+            self.tree.insert(e, e.tokens)
 
     def _drop_entry(self, e: SeqEntry) -> None:
         if e in self.tree:

@@ -63,6 +63,7 @@ class RadixTree:
 
     def __init__(self) -> None:
         self.root = Node(_EMPTY, None)
+        self._end: dict[Any, Node] = {}   # entry -> the node its tokens end at
 
     def __len__(self) -> int:
         return len(self.root.holders)
@@ -93,6 +94,18 @@ class RadixTree:
             child.holders.add(entry)
             node = child
         node.ends.add(entry)
+        self._end[entry] = node
+
+    def extend(self, entry: Any, tokens: np.ndarray, more: np.ndarray) -> None:
+        """``entry`` held ``tokens`` and now holds ``tokens + more``: in place when it alone ends at a leaf (the
+        decode step), else removed and inserted again."""
+        node = self._end.get(entry)
+        if node is not None and not node.children and len(node.holders) == 1 and more.size:
+            node.edge = np.concatenate([node.edge, more])
+            return
+        if node is not None:
+            self.remove(entry, tokens)
+        self.insert(entry, np.concatenate([tokens, more]))
 
     def remove(self, entry: Any, tokens: np.ndarray) -> None:
         """Unregister ``entry``, which holds ``tokens``; nodes left without entries go, single children merge."""
@@ -100,6 +113,7 @@ class RadixTree:
         assert path and entry in path[-1].ends, "entry not in the tree with these tokens"
         path[-1].ends.discard(entry)
         self.root.holders.discard(entry)
+        del self._end[entry]
         for node in path:
             node.holders.discard(entry)
         for node in reversed(path):
@@ -119,8 +133,7 @@ class RadixTree:
         mid.children[int(child.edge[0])] = child
         return mid
 
-    @staticmethod
-    def _merge(node: Node) -> None:
+    def _merge(self, node: Node) -> None:
         """Fold the only child of ``node`` (no entry ends at ``node``) into it."""
         (child,) = node.children.values()
         node.edge = np.concatenate([node.edge, child.edge])
@@ -128,6 +141,8 @@ class RadixTree:
         for grandchild in node.children.values():
             grandchild.parent = node
         node.ends = child.ends
+        for e in node.ends:
+            self._end[e] = node
 
     def _path(self, tokens: np.ndarray) -> list[Node]:
         """The nodes spelling exactly ``tokens`` (empty list when the tree does not hold them)."""
@@ -189,7 +204,7 @@ class RadixTree:
             out.append(f"tree: holds {len(self.root.holders)} entries, expected {len(tokens_of)}")
         for e, toks in tokens_of.items():
             path = self._path(toks)
-            if not path or e not in path[-1].ends:
+            if not path or e not in path[-1].ends or self._end.get(e) is not path[-1]:
                 out.append(f"tree: entry {e!r} does not end at the node spelling its {toks.size} tokens")
         for node, _ in self.nodes():
             below = set(node.ends).union(*(c.holders for c in node.children.values()))
