@@ -323,6 +323,29 @@ def test_seq_cp_and_state_load_through_the_cache(model, unified):
         assert adm.n_reused == 16 and pc.stats.evictions == 1
 
 
+def test_admit_over_cells_put_behind_the_back(model):
+    t = toks(10, 18)
+    with ctx_of(model) as c:
+        pc = PrefixCache(c)
+        c.decode(Batch(token=toks(7, 19), seq_id=np.full(7, 2, np.int32)))   # sequence 2, not indexed
+        adm = pc.admit(t, 2)
+        assert adm.n_decoded == 10 and c.memory_seq_pos_min(2) == 0 and c.memory_seq_pos_max(2) == 9
+        assert check(pc) == []
+        assert rel_err(adm.logits, fresh_logits(model, t)) < TOL
+
+
+def test_pick_seq_falls_back_to_the_holder(model):
+    t = toks(12, 21)
+    with ctx_of(model, n_seq_max=2) as c:
+        pc = PrefixCache(c)
+        served(pc, 0, t)
+        pc.admit(toks(5, 22), 1)                      # active: sequence 0 is the only one left
+        branch = np.concatenate([t[:8], toks(3, 23)])
+        assert pc.pick_seq(branch) == 0
+        adm = pc.admit(branch, 0)
+        assert (adm.source, adm.n_reused) == ("own", 8) and check(pc) == []
+
+
 def test_changes_behind_the_back_are_caught_as_stale(model):
     t = toks(12, 17)
     with ctx_of(model) as c:

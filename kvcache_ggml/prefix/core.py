@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..batch import Batch
+from ..runtime.context import DecodeError
 from .host import HostEntry, HostParams, HostTier
 from .ops import MemoryOpsMixin
 from .policy import Candidate, EvictionPolicy, LRUPolicy, Retention, effective_priority
@@ -153,6 +154,8 @@ class PrefixCache(MemoryOpsMixin):
         own = self.seqs.get(seq_id)
         if own is not None and own.active:
             raise RuntimeError(f"sequence {seq_id} is serving a request; release() it first")
+        if own is None and self.ctx.memory_seq_pos_max(seq_id) >= 0:
+            own = self._adopt(seq_id)  # cells put there behind the prefix cache's back: removed below
         retention = retention or Retention()
         retention.check()
         self._tick += 1
@@ -245,9 +248,15 @@ class PrefixCache(MemoryOpsMixin):
         extends (reused in place), else a free (or freed) sequence -- never the best holder of its prefix."""
         toks = self._tokens(tokens)
         m = self.match(toks, toks.size - 1)
-        if m.tier == "device" and not m.entry.active and m.n_tokens == m.entry.tokens.size:
+        holder = m.entry if m.tier == "device" and not m.entry.active else None
+        if holder is not None and m.n_tokens == holder.tokens.size:
             return m.seq_id
-        return self.free_seq(exclude=[m.seq_id] if m.tier == "device" else [])
+        try:
+            return self.free_seq(exclude=[m.seq_id] if m.tier == "device" else [])
+        except ValueError:
+            if holder is None:
+                raise
+            return m.seq_id  # the only parked sequence: reused in place, its tail cut
 
     def evict(self, seq_id: int, keep: bool = True) -> None:
         """Evict the parked sequence ``seq_id`` now (kept as a host blob when ``keep`` and a host tier exists)."""
@@ -351,8 +360,6 @@ class PrefixCache(MemoryOpsMixin):
 
     def _decode(self, batch: Batch, streams: set[int]) -> np.ndarray:
         """ctx.decode, evicting parked sequences of ``streams`` while the cache has no slot for the batch."""
-        from ..runtime.context import DecodeError
-
         while True:
             try:
                 return self.ctx.decode(batch)
