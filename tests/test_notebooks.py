@@ -48,8 +48,8 @@ def kernel_env(tmp_path_factory):
             os.environ[k] = v
 
 
-def test_the_six_notebooks_are_there():
-    assert [p.stem[:2] for p in PATHS] == ["01", "02", "03", "04", "05", "06"], [p.name for p in PATHS]
+def test_the_seven_notebooks_are_there():
+    assert [p.stem[:2] for p in PATHS] == ["01", "02", "03", "04", "05", "06", "07"], [p.name for p in PATHS]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
