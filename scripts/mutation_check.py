@@ -5,10 +5,11 @@
     .venv/bin/python scripts/mutation_check.py --list                # check the table only (each old text once)
 
 For each mutation of ``MUTATIONS`` the working tree (tracked and untracked, not ignored files: what
-``git ls-files -co --exclude-standard`` lists) is copied to a fresh temporary folder, the one line is changed there,
-and the whole default suite runs on the copy (``python -m pytest -x -p no:cacheprovider``, fail-fast, ``CI=true``
-so that hypothesis replays its fixed examples).  The repository itself is never modified.  A mutation is caught when
-the suite fails; the first failing test is reported.  Before the mutations, the unmodified copy must pass.
+``git ls-files -co --exclude-standard`` lists; ``vendor/`` linked) is copied to a fresh temporary folder, the one
+line is changed there, and the whole default suite runs on the copy (``python -m pytest -x -p no:cacheprovider``,
+fail-fast, ``CI=true`` so that hypothesis replays its fixed examples).  The repository itself is never modified.  A
+mutation is caught when the suite fails; the first failing test is reported.  Before the mutations, the unmodified
+copy must pass.
 
 ``MUTATIONS`` is the one place to update when code moves: each entry is (name, path, exact old text, new text), and
 the script stops before running anything when an old text is not found exactly once in its file.  Exit status: 0
@@ -78,6 +79,8 @@ MUTATIONS = [
      "idxs = np.flatnonzero(mask)[::-1]\n"),
 ]
 
+# ignored folders the default suite reads: build.py's unpacked ggml-python source (test_bindings reads its headers)
+LINKED = ("vendor",)
 README = ROOT / "tests" / "README.md"
 BEGIN, END = "<!-- mutation-check:begin -->", "<!-- mutation-check:end -->"
 
@@ -110,7 +113,8 @@ def check_table(root: Path) -> list[str]:
 
 
 def copy_tree(dst: Path) -> None:
-    """The working tree's tracked and untracked (not ignored) files, into ``dst``."""
+    """The working tree's tracked and untracked (not ignored) files, into ``dst``; the ignored build outputs the
+    suite reads (``LINKED``) as links to the originals (no mutation touches them)."""
     out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
                          capture_output=True).stdout
     for rel in filter(None, out.decode().split("\0")):
@@ -118,6 +122,9 @@ def copy_tree(dst: Path) -> None:
         if src.is_file():  # a tracked file deleted in the working tree is skipped
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
+    for rel in LINKED:
+        if (ROOT / rel).exists():
+            (dst / rel).symlink_to((ROOT / rel).resolve(), target_is_directory=True)
 
 
 def run_suite(root: Path, name: str, timeout: int) -> Outcome:
