@@ -2,6 +2,7 @@
 
     nice -n 10 .venv/bin/python scripts/mutation_check.py            # every mutation, after a clean baseline run
     nice -n 10 .venv/bin/python scripts/mutation_check.py --readme   # ... and write the results into tests/README.md
+    nice -n 10 .venv/bin/python scripts/mutation_check.py --suite-order --readme   # the suite in its own order
     .venv/bin/python scripts/mutation_check.py --list                # check the table only (each old text once)
 
 For each mutation of ``MUTATIONS`` the working tree (tracked and untracked, not ignored files: what
@@ -10,6 +11,12 @@ line is changed there, and the whole default suite runs on the copy (``python -m
 fail-fast, ``CI=true`` so that hypothesis replays its fixed examples).  The repository itself is never modified.  A
 mutation is caught when the suite fails; the first failing test is reported.  Before the mutations, the unmodified
 copy must pass.
+
+By default the golden traces (``tests/test_golden_traces.py``) run first and then the rest of the default suite
+(the same tests, each once): the check then shows directly whether the golden traces catch each mutation, and a
+caught mutation costs seconds, not a hypothesis shrink.  ``--suite-order`` runs the suite in its own order instead
+(the first failing test is then whichever comes first; when it is not a golden trace, the golden traces are run
+alone on the same copy to fill in their column).
 
 ``MUTATIONS`` is the one place to update when code moves: each entry is (name, path, exact old text, new text), and
 the script stops before running anything when an old text is not found exactly once in its file.  Exit status: 0
@@ -82,7 +89,7 @@ MUTATIONS = [
 # ignored folders the default suite reads: build.py's unpacked ggml-python source (test_bindings reads its headers)
 LINKED = ("vendor",)
 README = ROOT / "tests" / "README.md"
-BEGIN, END = "<!-- mutation-check:begin -->", "<!-- mutation-check:end -->"
+GOLDEN = "tests/test_golden_traces.py"
 
 
 @dataclass(slots=True)
@@ -94,6 +101,7 @@ class Outcome:
     first: str         # the first failing test (node id), or the error
     seconds: float     # wall time of the run
     tail: str          # the end of pytest's output
+    golden: bool       # the golden traces failed (caught the mutation)
 
 
 def check_table(root: Path) -> list[str]:
@@ -127,9 +135,10 @@ def copy_tree(dst: Path) -> None:
             (dst / rel).symlink_to((ROOT / rel).resolve(), target_is_directory=True)
 
 
-def run_suite(root: Path, name: str, timeout: int) -> Outcome:
+def run_suite(root: Path, name: str, timeout: int, paths: list[str]) -> Outcome:
+    """pytest -x on ``paths`` (none: the default suite in its own order) in the copy at ``root``."""
     env = dict(os.environ, PYTHONPATH=str(root), CI="true", PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", "--no-header"]
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-rfE", "--no-header", *paths]
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
@@ -139,10 +148,19 @@ def run_suite(root: Path, name: str, timeout: int) -> Outcome:
     dt = time.perf_counter() - t0
     m = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
     first = m.group(1) if m else ("" if rc == 0 else out.strip().splitlines()[-1] if out.strip() else f"rc {rc}")
-    return Outcome(name, rc, first, dt, out[-3000:])
+    return Outcome(name, rc, first, dt, out[-3000:], first.startswith(GOLDEN))
 
 
-def run_one(name: str, path: str, old: str, new: str, timeout: int) -> Outcome:
+def golden_first(root: Path) -> list[str]:
+    """The default suite's paths with the golden traces first (pytest would merge ``GOLDEN tests`` back into
+    directory order): GOLDEN, then every other test file and test folder under tests/."""
+    rest = [p for p in sorted((root / "tests").iterdir())
+            if (p.is_dir() and any(p.rglob("test_*.py")))
+            or (p.is_file() and p.name.startswith("test_") and p.suffix == ".py" and p.name != Path(GOLDEN).name)]
+    return [GOLDEN] + [str(p.relative_to(root)) for p in rest]
+
+
+def run_one(name: str, path: str, old: str, new: str, timeout: int, suite_order: bool) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         root = Path(tmp)
         copy_tree(root)
@@ -151,24 +169,31 @@ def run_one(name: str, path: str, old: str, new: str, timeout: int) -> Outcome:
             text = f.read_text()
             assert text.count(old) == 1, f"{name}: {old!r} not found exactly once in the copy"
             f.write_text(text.replace(old, new))
-        return run_suite(root, name, timeout)
+        o = run_suite(root, name, timeout, [] if suite_order else golden_first(root))
+        if suite_order and path and o.rc != 0 and not o.golden:
+            o.golden = run_suite(root, name, timeout, [GOLDEN]).rc != 0
+        return o
 
 
 def table(results: list[tuple[tuple, Outcome]]) -> str:
-    lines = ["| mutation | file | change | caught | first failing test | time |", "|---|---|---|---|---|---|"]
+    lines = ["| mutation | file | change | caught | first failing test | golden traces | time |",
+             "|---|---|---|---|---|---|---|"]
     for (name, path, old, new), o in results:
         caught = "**no**" if o.rc == 0 else "yes" if o.rc == 1 else f"yes (pytest rc {o.rc})"
         change = f"`{old.strip()}` → `{new.strip()}`".replace("|", "\\|")
-        lines.append(f"| {name} | `{path}` | {change} | {caught} | `{o.first}` | {o.seconds:.0f} s |")
+        first = o.first.replace("|", "\\|")
+        lines.append(f"| {name} | `{path}` | {change} | {caught} | `{first}` | {'yes' if o.golden else 'no'} | "
+                     f"{o.seconds:.0f} s |")
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
+def write_readme(text: str, mode: str) -> None:
+    begin, end = f"<!-- mutation-check:{mode}:begin -->", f"<!-- mutation-check:{mode}:end -->"
     doc = README.read_text()
-    a, b = doc.find(BEGIN), doc.find(END)
+    a, b = doc.find(begin), doc.find(end)
     if a < 0 or b < a:
-        raise SystemExit(f"{README}: markers {BEGIN} ... {END} not found")
-    README.write_text(doc[:a + len(BEGIN)] + "\n" + text + "\n" + doc[b:])
+        raise SystemExit(f"{README}: markers {begin} ... {end} not found")
+    README.write_text(doc[:a + len(begin)] + "\n" + text + "\n" + doc[b:])
 
 
 def main() -> int:
@@ -177,6 +202,8 @@ def main() -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the run of the unmodified tree")
     ap.add_argument("--list", action="store_true", help="check and print the table, run nothing")
     ap.add_argument("--readme", action="store_true", help=f"write the results into {README.relative_to(ROOT)}")
+    ap.add_argument("--suite-order", action="store_true",
+                    help=f"run the default suite in its own order (default: {GOLDEN} first, then the rest)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per suite run")
     a = ap.parse_args()
 
@@ -191,23 +218,25 @@ def main() -> int:
         return 0
     t0 = time.perf_counter()
     if not a.no_baseline:
-        base = run_one("baseline", "", "", "", a.timeout)
+        base = run_one("baseline", "", "", "", a.timeout, a.suite_order)
         print(f"baseline: rc {base.rc} in {base.seconds:.0f} s", flush=True)
         if base.rc != 0:
             print(f"the unmodified tree fails the default suite ({base.first}):\n{base.tail}", file=sys.stderr)
             return 1
     results = []
     for m in chosen:
-        o = run_one(*m, timeout=a.timeout)
+        o = run_one(*m, timeout=a.timeout, suite_order=a.suite_order)
         results.append((m, o))
         print(f"{m[0]:40s} {'CAUGHT' if o.rc != 0 else 'SURVIVED':8s} {o.seconds:6.0f} s  {o.first}", flush=True)
     text = table(results)
     survived = [m[0] for m, o in results if o.rc == 0]
-    summary = (f"{len(results) - len(survived)} of {len(results)} mutations caught by the default suite "
-               f"({time.perf_counter() - t0:.0f} s in all, {time.strftime('%Y-%m-%d')})")
+    mode = "suite-order" if a.suite_order else "golden-first"
+    summary = (f"{len(results) - len(survived)} of {len(results)} mutations caught by the default suite, "
+               f"{sum(o.golden for _, o in results)} by the golden traces ({mode}, {time.perf_counter() - t0:.0f} s "
+               f"in all with the baseline, {time.strftime('%Y-%m-%d')})")
     print("\n" + text + "\n\n" + summary)
     if a.readme and not a.only:
-        write_readme(text + "\n\n" + summary + ".")
+        write_readme(text + "\n\n" + summary + ".", mode)
     if survived:
         print(f"SURVIVED: {survived}", file=sys.stderr)
         return 1
