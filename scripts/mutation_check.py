@@ -86,8 +86,9 @@ MUTATIONS = [
      "idxs = np.flatnonzero(mask)[::-1]\n"),
 ]
 
-# ignored folders the default suite reads: build.py's unpacked ggml-python source (test_bindings reads its headers)
-LINKED = ("vendor",)
+# ignored folders the default suite reads: build.py's unpacked ggml-python source (test_bindings reads its
+# headers) and the GPU check's carried payload (tests/test_gpu_check.py checks it under CI)
+LINKED = ("vendor", ".carry")
 README = ROOT / "tests" / "README.md"
 GOLDEN = "tests/test_golden_traces.py"
 
