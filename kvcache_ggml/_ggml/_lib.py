@@ -58,6 +58,8 @@ REQUIRED: tuple[str, ...] = (
     # ggml.h: ops of the llama runtime's decoder graph (kvcache_ggml/runtime/graph.py)
     "ggml_rms_norm", "ggml_swiglu_split", "ggml_flash_attn_ext", "ggml_flash_attn_ext_set_prec",
     "ggml_mul_mat_set_prec",
+    # ggml.h: ops of the Gemma graph (kvcache_ggml/runtime/gemma.py)
+    "ggml_geglu_split", "ggml_tanh",
     "ggml_set_input", "ggml_set_output", "ggml_set_name", "ggml_get_name", "ggml_get_first_tensor",
     "ggml_get_next_tensor", "ggml_get_tensor",
     "ggml_nbytes", "ggml_nelements", "ggml_nrows", "ggml_row_size", "ggml_type_size", "ggml_blck_size",
@@ -81,7 +83,7 @@ REQUIRED: tuple[str, ...] = (
     "ggml_backend_tensor_set", "ggml_backend_tensor_get", "ggml_backend_tensor_copy", "ggml_backend_tensor_memset",
     # ggml-backend.h / ggml-cpu.h: backends
     "ggml_backend_cpu_init", "ggml_backend_is_cpu", "ggml_backend_free", "ggml_backend_name",
-    "ggml_backend_cpu_set_n_threads", "ggml_backend_graph_compute", "ggml_backend_synchronize",
+    "ggml_backend_cpu_set_n_threads", "ggml_cpu_has_llamafile", "ggml_backend_graph_compute", "ggml_backend_synchronize",
     "ggml_backend_get_default_buffer_type", "ggml_backend_get_device", "ggml_backend_supports_op",
     # ggml-backend.h: scheduler
     "ggml_backend_sched_new", "ggml_backend_sched_free", "ggml_backend_sched_reset",

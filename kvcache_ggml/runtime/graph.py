@@ -155,9 +155,10 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
 
 
 def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash_attn: bool,
-               fa_cast_f32_kv: bool) -> Any:
+               fa_cast_f32_kv: bool, softcap: float = 0.0) -> Any:
     """Multi-head attention of q [d, n_head, n_tokens] over the cache views k and v (build_attn_mha).
 
+    ``softcap`` > 0 caps the logits as softcap*tanh(kq/softcap) before the softmax (Gemma 2).
     Returns [d*n_head, n_tokens] with the tokens of stream s at rows s*n_tps .. (s+1)*n_tps - 1.
     """
     v_trans = G.nb(v)[1] > G.nb(v)[2]
@@ -177,13 +178,16 @@ def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash
                 k = G.ggml_cast(c, k, _F16)
             if G.ttype(v) == _F32:
                 v = G.ggml_cast(c, v, _F16)
-        cur = G.ggml_flash_attn_ext(c, q, k, v, mask, kq_scale, 0.0, 0.0)       # [d, n_head, n_tps, ns]
+        cur = G.ggml_flash_attn_ext(c, q, k, v, mask, kq_scale, 0.0, softcap)   # [d, n_head, n_tps, ns]
         G.ggml_flash_attn_ext_set_prec(cur, _GGML_PREC_F32)
         ne = G.ne(cur)
         return G.ggml_reshape_2d(c, cur, ne[0] * ne[1], ne[2] * ne[3])         # [d*n_head, n_tokens]
 
     kq = G.ggml_mul_mat(c, k, q)                                                # [n_kv, n_tps, n_head, ns]
     G.ggml_mul_mat_set_prec(kq, _GGML_PREC_F32)
+    if softcap:
+        kq = G.ggml_scale(c, kq, float(np.float32(1.0) / np.float32(softcap)))
+        kq = G.ggml_scale(c, G.ggml_tanh(c, kq), softcap)
     kq = G.ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0)                        # [n_kv, n_tps, n_head, ns]
     if not v_trans:
         v = G.ggml_cont(c, G.ggml_transpose(c, v))                              # [n_kv, d, n_head_kv, ns]

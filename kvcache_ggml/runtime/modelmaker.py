@@ -78,6 +78,19 @@ def _add_matrix(writer, gguf, name: str, w: np.ndarray, wtype: str) -> None:
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
 
+def _add_vocab(writer, gguf, n_vocab: int) -> None:
+    """A minimal SPM vocabulary: <unk>, <s>, </s>, then plain pieces t0, t1, ..."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(n_vocab - 3)]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores([0.0] * n_vocab)
+    writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+                           + [gguf.TokenType.NORMAL] * (n_vocab - 3))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+
 def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Path:
     """Write the model described by ``spec`` (or by keyword arguments of :class:`ModelSpec`) to ``path``."""
     import gguf
@@ -110,15 +123,7 @@ def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Pat
         writer.add_layer_norm_rms_eps(spec.rms_eps)
         writer.add_rope_freq_base(spec.rope_freq_base)
         writer.add_file_type(_file_type(gguf, spec.type))
-        pieces = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(spec.vocab - 3)]
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(pieces)
-        writer.add_token_scores([0.0] * spec.vocab)
-        writer.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-                               + [gguf.TokenType.NORMAL] * (spec.vocab - 3))
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        writer.add_unk_token_id(0)
+        _add_vocab(writer, gguf, spec.vocab)
 
         n_kv = spec.head_dim * spec.heads_kv
         # unit-variance embeddings: the first RMS norm sees O(1) values
