@@ -48,7 +48,7 @@ CMAKE_MIN = (3, 21)  # ggml-python's CMakeLists.txt requires 3.21
 # extras of this project each command needs (the notebooks extra runs the notebook tests)
 COMMAND_EXTRAS = {None: ("test",), "test": ("test", "notebooks"), "demo": ("test",)}
 STAMP_SCHEMA = 1
-GGML_RECIPE = 2  # bump when the way ggml-python is built changes: forces one rebuild
+GGML_RECIPE = 3  # bump when the way ggml-python is built changes: forces one rebuild (3: GGML_LLAMAFILE=ON)
 COMMANDS = ("test", "demo")
 NETWORK_HINTS = (
     "NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
@@ -71,8 +71,10 @@ class BuildFlags:
 
     def cmake_args(self) -> str:
         onoff = lambda b: "ON" if b else "OFF"  # noqa: E731
+        # GGML_LLAMAFILE: the CPU backend's tinyBLAS matmuls, as llama.cpp builds ggml (ggml alone defaults to
+        # off); without them an F32 mul_mat sums in another order and the logits differ from llama.cpp's
         args = [f"-DGGML_CUDA={onoff(self.cuda)}", f"-DGGML_METAL={onoff(self.metal)}",
-                f"-DGGML_VULKAN={onoff(self.vulkan)}", f"-DGGML_RPC={onoff(self.rpc)}"]
+                f"-DGGML_VULKAN={onoff(self.vulkan)}", f"-DGGML_RPC={onoff(self.rpc)}", "-DGGML_LLAMAFILE=ON"]
         if self.cuda and self.cuda_arch:
             args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}")
         return " ".join(args)
