@@ -11,6 +11,7 @@
 #undef private
 #undef protected
 #include "llama.h"
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -159,6 +160,26 @@ size_t kvi_state_read(void * p, int seq, int flags, const uint8_t * data, size_t
         return 0;
     }
     return r.n_bytes();
+}
+
+// timing: n one-token decodes of seq at positions pos0, pos0+1, ... (balloc.init + init_batch + apply, kept);
+// returns ns per step, or -1 when a step fails
+double kvi_time_steps(void * p, int seq, int pos0, int n) {
+    auto * h = (kvi *) p;
+    llama_batch b = llama_batch_init(1, 0, 1);
+    b.n_tokens = 1; b.token[0] = 3; b.n_seq_id[0] = 1; b.seq_id[0][0] = seq; b.logits[0] = 1;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) {
+        b.pos[0] = pos0 + i;
+        llama_batch_allocr balloc(1);
+        balloc.init(b, h->model->vocab, h->kv.get(), h->model->hparams.n_embd, h->n_seq_max, false);
+        auto ctx = h->kv->init_batch(balloc, 512, false);
+        if (ctx->get_status() != LLAMA_MEMORY_STATUS_SUCCESS) { llama_batch_free(b); return -1; }
+        ctx->apply();
+    }
+    auto t1 = std::chrono::steady_clock::now();
+    llama_batch_free(b);
+    return std::chrono::duration<double, std::nano>(t1 - t0).count() / n;
 }
 
 }

@@ -5,7 +5,8 @@ not the test run.  Input (stdin): {"lib": path of the built shim, "model": GGUF 
 Output per op: {"r": result, "base": dump, "swa": dump} with dump = {"pos", "shift", "seq", "heads"}.
 Ops: ["decode", pos, seq_ids, n_ubatch, use_pos] -> {"base": cells, "swa": cells, "sizes": [...]} or -1 / -2;
 ["seq_rm" | "seq_cp" | "seq_keep" | "seq_add" | "seq_div" | "seq_pos_min" | "seq_pos_max", args...];
-["clear"]; ["state", seq, flags] -> hex blob; ["state_rt", seq, flags] -> bytes read back (write, then read).
+["clear"]; ["state", seq, flags] -> hex blob; ["state_rt", seq, flags] -> bytes read back (write, then read);
+["time", seq, pos0, n] -> ns per one-token decode step (n steps from pos0, kept); "dump": false skips the dumps.
 """
 import ctypes as C
 import json
@@ -42,6 +43,8 @@ def load(path):
     lib.kvi_state.argtypes = [P, I, I, C.c_char_p, Z]
     lib.kvi_state_read.restype = Z
     lib.kvi_state_read.argtypes = [P, I, I, C.c_char_p, Z]
+    lib.kvi_time_steps.restype = C.c_double
+    lib.kvi_time_steps.argtypes = [P, I, I, I]
     return lib
 
 
@@ -94,13 +97,18 @@ def main():
         elif name == "state_rt":
             blob = state(lib, h, *args)
             r = lib.kvi_state_read(h, args[0], args[1], blob, len(blob))
+        elif name == "time":
+            r = lib.kvi_time_steps(h, *args)
         elif name == "clear":
             lib.kvi_clear(h)
             r = None
         else:
             r = getattr(lib, "kvi_" + name)(h, *args)
             r = r if name in ("seq_rm", "seq_pos_min", "seq_pos_max") else None
-        print(json.dumps({"r": r, "base": dump(lib, h, 0, n_stream), "swa": dump(lib, h, 1, n_stream)}), flush=True)
+        out = {"r": r}
+        if spec.get("dump", True):
+            out.update(base=dump(lib, h, 0, n_stream), swa=dump(lib, h, 1, n_stream))
+        print(json.dumps(out), flush=True)
     lib.kvi_free(h)
 
 
