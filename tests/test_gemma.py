@@ -242,3 +242,20 @@ def test_reuse_when_the_swa_cache_still_holds_the_window(gemma):
             cps.reuse(ctx.kv, 0, 201)
         assert cps.reuse(ctx.kv, 0, 180) == 180 and ctx.kv.seq_pos_max(0) == 179
         assert cps.reuse(ctx.kv, 0, 180) == 180                 # nothing to drop
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+def test_make_model_cli_and_demo_run_a_gemma_model(tmp_path, capsys):
+    from kvcache_ggml.demo import main as demo_main
+    from kvcache_ggml.runtime.modelmaker import main as make_model_main
+    out = tmp_path / "g3.gguf"
+    assert make_model_main([str(out), "--arch", "gemma3", "--layers", "4", "--embd", "64", "--heads", "4",
+                            "--heads-kv", "2", "--vocab", "64", "--n-swa", "8"]) == 0
+    with load_model(out) as m:
+        assert m.hparams.arch == "gemma3" and m.hparams.n_swa == 8 and m.hparams.n_embd_head_k == 16
+    capsys.readouterr()
+    assert demo_main(["--model", str(out), "--threads", "1", "--n-ctx", "256", "--n-par", "2", "--n-gen", "140",
+                      "--no-swa-full"]) == 0
+    text = capsys.readouterr().out
+    assert "SWA cache" in text and "base cache" in text and "-> OK" in text

@@ -153,7 +153,7 @@ def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Pat
 def main(argv: list[str]) -> int:
     d = ModelSpec()
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml make-model",
-                                 description="Write a random-weight llama GGUF that llama.cpp also loads.")
+                                 description="Write a random-weight llama (or Gemma) GGUF that llama.cpp also loads.")
     ap.add_argument("out", help="output .gguf path")
     ap.add_argument("--layers", type=int, default=d.layers, help="transformer blocks (default %(default)s)")
     ap.add_argument("--embd", type=int, default=d.embd, help="embedding width (default %(default)s)")
@@ -165,11 +165,21 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ctx", type=int, default=d.ctx, help="training context length (default %(default)s)")
     ap.add_argument("--type", choices=_WEIGHT_TYPES, default=d.type, help="matrix storage (default %(default)s)")
     ap.add_argument("--tied", action="store_true", help="no output.weight: the head reuses token_embd")
+    ap.add_argument("--arch", choices=("llama", "gemma2", "gemma3"), default="llama",
+                    help="architecture (default %(default)s); gemma: head size embd/heads, every other layer slides")
+    ap.add_argument("--n-swa", type=int, default=16, help="gemma: sliding window (default %(default)s)")
     a = ap.parse_args(argv)
     spec = ModelSpec(layers=a.layers, embd=a.embd, heads=a.heads, heads_kv=a.heads_kv, ff=a.ff, vocab=a.vocab,
                      seed=a.seed, ctx=a.ctx, type=a.type, tied=a.tied)
     try:
-        out = make_model(a.out, spec)
+        if a.arch != "llama":
+            from .gemma_maker import GemmaSpec, make_gemma_model
+            out = make_gemma_model(a.out, GemmaSpec(
+                arch=a.arch, layers=a.layers, embd=a.embd, heads=a.heads, heads_kv=a.heads_kv,
+                head_dim=spec.head_dim, ff=a.ff, vocab=a.vocab, seed=a.seed, ctx=a.ctx, type=a.type, n_swa=a.n_swa,
+                tied=a.tied or a.arch == "gemma2"))
+        else:
+            out = make_model(a.out, spec)
     except ValueError as e:
         ap.error(str(e))
     print(out)
