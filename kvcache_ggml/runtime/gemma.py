@@ -234,7 +234,7 @@ def build_gemma(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any
     """Build the Gemma graph of ``ubatch`` (after ``mctx.apply()``) in ``ctx``; ``key`` from :func:`graph_key`."""
     hp, gp = model.hparams, model.gemma
     c = ctx.ptr
-    n_tokens, n_outputs, n_embd, d = key.n_tokens, key.n_outputs, hp.n_embd, hp.n_embd_head_k
+    n_tokens, n_outputs, n_embd = key.n_tokens, key.n_outputs, hp.n_embd
     eps = hp.f_norm_rms_eps
 
     def new_input(type_: Any, ne: tuple[int, ...], name: str) -> Any:
@@ -263,34 +263,10 @@ def build_gemma(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any
     for il in range(hp.n_layer):
         lw, gl = model.layers[il], model.gemma_layers[il]
         is_swa = swa is not base and hp.is_swa(il)
-        cctx = swa if is_swa else base
-        n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         cur = _rms_norm(c, inp_l, lw.attn_norm, eps)                            # [n_embd, n_tokens]
-        q = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wq, cur), d, n_head, n_tokens)     # [d, n_head, n_tokens]
-        k = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wk, cur), d, n_head_kv, n_tokens)  # [d, n_head_kv, n_tok]
-        v = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wv, cur), d, n_head_kv, n_tokens)  # [d, n_head_kv, n_tok]
-        rope = (None, hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn, model.get_rope_freq_base(cparams, il),
-                model.get_rope_freq_scale(cparams, il), cparams.yarn_ext_factor, cparams.yarn_attn_factor,
-                cparams.yarn_beta_fast, cparams.yarn_beta_slow)
-        if gp.qk_norm:
-            q = _rms_norm(c, q, gl.attn_q_norm, eps)                            # [d, n_head, n_tokens]
-        q = G.ggml_rope_ext(c, q, pos, *rope)
-        if gp.qk_norm:
-            k = _rms_norm(c, k, gl.attn_k_norm, eps)                            # [d, n_head_kv, n_tokens]
-        k = G.ggml_rope_ext(c, k, pos, *rope)
-        q = G.ggml_scale(c, q, gp.attention_scale)
-
-        # as build_attn with iSWA inputs: q, k, v first, then the stores into this layer's cache
-        graph.expand(q)
-        graph.expand(k)
-        graph.expand(v)
-        graph.expand(cctx.cpy_k(ctx, k, k_idxs_swa if is_swa else k_idxs, il))
-        graph.expand(cctx.cpy_v(ctx, v, v_idxs_swa if is_swa else v_idxs, il))
-        k_all = cctx.get_k(ctx, il)        # [d, n_head_kv, n_kv, ns]
-        v_all = cctx.get_v(ctx, il)        # [d, n_head_kv, n_kv, ns] or transposed [n_kv, n_head_kv, d, ns]
-        cur = _attention(c, q, k_all, v_all, mask_swa if is_swa else mask, 1.0, flash_attn, fa_cast_f32_kv,
-                         softcap=gp.attn_softcap)                              # [d*n_head, n_tokens]
-        graph.expand(cur)
+        cur = _self_attention(ctx, graph, model, cparams, il, cur, pos, swa if is_swa else base,
+                              (k_idxs_swa, v_idxs_swa, mask_swa) if is_swa else (k_idxs, v_idxs, mask),
+                              flash_attn, fa_cast_f32_kv)                      # [d*n_head, n_tokens]
         cur = G.ggml_mul_mat(c, lw.wo, cur)                                     # [n_embd, n_tokens]
         if il == hp.n_layer - 1:
             cur = G.ggml_get_rows(c, cur, out_ids)                              # [n_embd, n_outputs]
@@ -311,6 +287,40 @@ def build_gemma(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any
     graph.expand(logits)
     return ISWAGraph(key, graph, tokens, embd, pos, out_ids, k_idxs, v_idxs, kq_mask, logits,
                      k_idxs_swa=k_idxs_swa, v_idxs_swa=v_idxs_swa, kq_mask_swa=kq_mask_swa)
+
+
+def _self_attention(ctx: G.Context, graph: G.Graph, model: Any, cparams: Any, il: int, cur: Any, pos: Any,
+                    cctx: Any, inputs: tuple[Any, Any, Any], flash_attn: bool, fa_cast_f32_kv: bool) -> Any:
+    """Q/K/V of layer il from cur [n_embd, n_tokens], stored into and attended over the cache of context
+    ``cctx`` (``inputs``: its k_idxs, v_idxs and attention mask); [d*n_head, n_tokens] before the output matrix."""
+    hp, gp, c = model.hparams, model.gemma, ctx.ptr
+    lw, gl = model.layers[il], model.gemma_layers[il]
+    d, n_tokens, eps = hp.n_embd_head_k, G.ne(cur)[1], hp.f_norm_rms_eps
+    k_idxs, v_idxs, mask = inputs
+    q = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wq, cur), d, hp.n_head(il), n_tokens)     # [d, n_head, n_tok]
+    k = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wk, cur), d, hp.n_head_kv(il), n_tokens)  # [d, n_head_kv, n_tok]
+    v = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wv, cur), d, hp.n_head_kv(il), n_tokens)  # [d, n_head_kv, n_tok]
+    rope = (None, hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn, model.get_rope_freq_base(cparams, il),
+            model.get_rope_freq_scale(cparams, il), cparams.yarn_ext_factor, cparams.yarn_attn_factor,
+            cparams.yarn_beta_fast, cparams.yarn_beta_slow)
+    if gp.qk_norm:
+        q = _rms_norm(c, q, gl.attn_q_norm, eps)                                # [d, n_head, n_tokens]
+    q = G.ggml_rope_ext(c, q, pos, *rope)
+    if gp.qk_norm:
+        k = _rms_norm(c, k, gl.attn_k_norm, eps)                                # [d, n_head_kv, n_tokens]
+    k = G.ggml_rope_ext(c, k, pos, *rope)
+    q = G.ggml_scale(c, q, gp.attention_scale)
+    # as build_attn with iSWA inputs: q, k, v first, then the stores into this layer's cache
+    graph.expand(q)
+    graph.expand(k)
+    graph.expand(v)
+    graph.expand(cctx.cpy_k(ctx, k, k_idxs, il))
+    graph.expand(cctx.cpy_v(ctx, v, v_idxs, il))
+    k_all = cctx.get_k(ctx, il)        # [d, n_head_kv, n_kv, ns]
+    v_all = cctx.get_v(ctx, il)        # [d, n_head_kv, n_kv, ns] or transposed [n_kv, n_head_kv, d, ns]
+    cur = _attention(c, q, k_all, v_all, mask, 1.0, flash_attn, fa_cast_f32_kv, softcap=gp.attn_softcap)
+    graph.expand(cur)
+    return cur
 
 
 def set_gemma_inputs(g: ISWAGraph, mctx: Any, ubatch: Any, causal_attn: bool = True) -> None:
