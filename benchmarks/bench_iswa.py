@@ -21,11 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache_ggml._gguf import read_kv
 from kvcache_ggml.batch import Batch, BatchAllocator
-from kvcache_ggml.hparams import HParams
 from kvcache_ggml.iswa import KVCacheISWA
-from kvcache_ggml.runtime.gemma import GemmaParams
+from kvcache_ggml.runtime.gemma import GemmaShape
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,18 +31,9 @@ ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
 ORACLE_PY = ORACLE_DIR / "venv" / "bin" / "python"
 
 
-class GemmaLike:
-    def __init__(self, path):
-        self.hparams = HParams.from_gguf(path)
-        GemmaParams.resolve(read_kv(path), self.hparams)
-
-    def dev_layer(self, il):
-        return None
-
-
 def ours(model: Path, pos0: int, n: int) -> float:
     """Seconds per step of n steps from pos0 (after pos0 warm-up steps from 0)."""
-    mem = KVCacheISWA(GemmaLike(model), kv_size=4096, n_ubatch=64, v_trans=False)
+    mem = KVCacheISWA(GemmaShape(model), kv_size=4096, n_ubatch=64, v_trans=False)
     hp = mem.hparams
 
     def step(p: int) -> None:

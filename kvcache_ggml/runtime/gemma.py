@@ -32,10 +32,10 @@ from .._gguf import read_kv
 from ..cache import KVCache, KVCacheParams
 from ..hparams import HParams, RopeType, SwaType
 from ..iswa import KVCacheISWA, KVCacheISWAContext, KVCacheISWAParams
-from .graph import _F16, _F32, _I32, DecoderGraph, _attention, _rms_norm, set_inputs
+from .graph import _F16, _F32, DecoderGraph, _attention, _rms_norm, build_token_inputs, set_inputs
 from .model import Model
 
-__all__ = ["GemmaParams", "GemmaModel", "GemmaLayer", "ISWAGraphKey", "ISWAGraph", "create_memory",
+__all__ = ["GemmaParams", "GemmaModel", "GemmaLayer", "GemmaShape", "ISWAGraphKey", "ISWAGraph", "create_memory",
            "graph_capacity", "graph_key", "build_gemma", "set_gemma_inputs", "GEMMA_ARCHS"]
 
 GEMMA_ARCHS = ("gemma2", "gemma3")
@@ -156,6 +156,18 @@ class GemmaModel(Model):
         self.gemma_layers = []
 
 
+class GemmaShape:
+    """The hyper-parameters of a Gemma GGUF as llama.cpp loads them, without weights: what a
+    :class:`~kvcache_ggml.iswa.KVCacheISWA` needs of a model (every layer on the CPU)."""
+
+    def __init__(self, path: str | PathLike) -> None:
+        self.hparams = HParams.from_gguf(path)
+        self.gemma = GemmaParams.resolve(read_kv(path), self.hparams)
+
+    def dev_layer(self, il: int) -> None:
+        return None
+
+
 # ====================================================================================================== memory
 
 def create_memory(model: Any, params: KVCacheParams, n_ubatch: int, swa_full: bool) -> KVCache | KVCacheISWA:
@@ -234,23 +246,10 @@ def build_gemma(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any
     """Build the Gemma graph of ``ubatch`` (after ``mctx.apply()``) in ``ctx``; ``key`` from :func:`graph_key`."""
     hp, gp = model.hparams, model.gemma
     c = ctx.ptr
-    n_tokens, n_outputs, n_embd = key.n_tokens, key.n_outputs, hp.n_embd
     eps = hp.f_norm_rms_eps
-
-    def new_input(type_: Any, ne: tuple[int, ...], name: str) -> Any:
-        t = G.new_tensor(c, type_, ne, name)
-        G.ggml_set_input(t)
-        return t
-
-    tokens = embd = None
-    if key.embd_input:
-        embd = new_input(_F32, (n_embd, n_tokens), "inp_embd")                 # [n_embd, n_tokens]
-        inp_l = G.ggml_scale(c, embd, 1.0 if gp.arch == "gemma3" else gp.embd_scale)
-    else:
-        tokens = new_input(_I32, (n_tokens,), "inp_tokens")                    # [n_tokens]
-        inp_l = G.ggml_scale(c, G.ggml_get_rows(c, model.tok_embd, tokens), gp.embd_scale)  # [n_embd, n_tokens]
-    pos = new_input(_I32, (n_tokens,), "inp_pos")                              # [n_tokens]
-    out_ids = new_input(_I32, (n_outputs,), "inp_out_ids")                     # [n_outputs]
+    tokens, embd, inp_l, pos, out_ids = build_token_inputs(c, model, key)
+    # Gemma 3 scales token embeddings only (not embeddings given as input)
+    inp_l = G.ggml_scale(c, inp_l, 1.0 if key.embd_input and gp.arch == "gemma3" else gp.embd_scale)
     base, swa = _caches(mctx)
     k_idxs, v_idxs, kq_mask, mask = _cache_inputs(ctx, base, ubatch, key.n_kv, key, "", flash_attn)
     k_idxs_swa = v_idxs_swa = kq_mask_swa = None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .modelmaker import _WEIGHT_TYPES, _add_matrix, _add_vocab, _file_type
+from .modelmaker import _WEIGHT_TYPES, _add_common_keys, _add_matrix
 
 __all__ = ["GemmaSpec", "make_gemma_model"]
 
@@ -68,18 +68,9 @@ class GemmaSpec:
 
 
 def _write_keys(writer, gguf, spec: GemmaSpec) -> None:
-    writer.add_name(f"kvcache-ggml-tiny-{spec.arch}")
-    writer.add_context_length(spec.ctx)
-    writer.add_embedding_length(spec.embd)
-    writer.add_block_count(spec.layers)
-    writer.add_feed_forward_length(spec.ff)
-    writer.add_head_count(spec.heads)
-    writer.add_head_count_kv(spec.heads_kv)
+    _add_common_keys(writer, gguf, spec, spec.arch)
     writer.add_key_length(spec.head_dim)
     writer.add_value_length(spec.head_dim)
-    writer.add_layer_norm_rms_eps(spec.rms_eps)
-    writer.add_rope_freq_base(spec.rope_freq_base)
-    writer.add_file_type(_file_type(gguf, spec.type))
     if spec.n_swa > 0:
         writer.add_sliding_window(spec.n_swa)
         writer.add_sliding_window_pattern(spec.swa_period)
@@ -88,7 +79,6 @@ def _write_keys(writer, gguf, spec: GemmaSpec) -> None:
         writer.add_attn_logit_softcapping(spec.attn_softcap)
     if spec.arch == "gemma2" or spec.final_softcap:
         writer.add_final_logit_softcapping(spec.final_softcap)
-    _add_vocab(writer, gguf, spec.vocab)
 
 
 def make_gemma_model(path: str | Path, spec: GemmaSpec | None = None, **kwargs) -> Path:

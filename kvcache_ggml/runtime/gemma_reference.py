@@ -52,16 +52,11 @@ def gelu_ggml(x: np.ndarray) -> np.ndarray:
 
 
 class GemmaReference(Reference):
-    """A Gemma GGUF as float64 numpy arrays, with its :class:`GemmaParams`."""
+    """A Gemma GGUF as float64 numpy arrays, with its :class:`GemmaParams` (``forward`` as Reference's)."""
 
     def __init__(self, path: str | PathLike) -> None:
         super().__init__(path)
         self.gemma = GemmaParams.resolve(read_kv(path), self.hparams)
-
-    def forward(self, tokens: Sequence[int] | np.ndarray, pos: Sequence[int] | np.ndarray | None = None, *,
-                freq_base: float | None = None, freq_scale: float = 1.0) -> np.ndarray:
-        """float64 [n_tokens, n_vocab]: the logits of every token of one sequence, encoded from scratch."""
-        return self.cache(freq_base=freq_base, freq_scale=freq_scale).decode(tokens, pos)
 
     def cache(self, *, freq_base: float | None = None, freq_scale: float = 1.0) -> "GemmaReferenceCache":
         """An empty float64 cache of one sequence (freq_base/scale: the full-attention layers' RoPE)."""

@@ -78,6 +78,22 @@ def _add_matrix(writer, gguf, name: str, w: np.ndarray, wtype: str) -> None:
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
 
+def _add_common_keys(writer, gguf, spec, arch: str) -> None:
+    """The keys every architecture the maker writes has: name, shape, norm epsilon, RoPE base, file type, vocab
+    (``spec``: a ModelSpec or anything with its fields)."""
+    writer.add_name(f"kvcache-ggml-tiny-{arch}")
+    writer.add_context_length(spec.ctx)
+    writer.add_embedding_length(spec.embd)
+    writer.add_block_count(spec.layers)
+    writer.add_feed_forward_length(spec.ff)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.heads_kv)
+    writer.add_layer_norm_rms_eps(spec.rms_eps)
+    writer.add_rope_freq_base(spec.rope_freq_base)
+    writer.add_file_type(_file_type(gguf, spec.type))
+    _add_vocab(writer, gguf, spec.vocab)
+
+
 def _add_vocab(writer, gguf, n_vocab: int) -> None:
     """A minimal SPM vocabulary: <unk>, <s>, </s>, then plain pieces t0, t1, ..."""
     pieces = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(n_vocab - 3)]
@@ -112,18 +128,8 @@ def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Pat
 
     writer = gguf.GGUFWriter(str(path), "llama")
     try:
-        writer.add_name("kvcache-ggml-tiny-llama")
-        writer.add_context_length(spec.ctx)
-        writer.add_embedding_length(spec.embd)
-        writer.add_block_count(spec.layers)
-        writer.add_feed_forward_length(spec.ff)
-        writer.add_head_count(spec.heads)
-        writer.add_head_count_kv(spec.heads_kv)
+        _add_common_keys(writer, gguf, spec, "llama")
         writer.add_rope_dimension_count(spec.head_dim)
-        writer.add_layer_norm_rms_eps(spec.rms_eps)
-        writer.add_rope_freq_base(spec.rope_freq_base)
-        writer.add_file_type(_file_type(gguf, spec.type))
-        _add_vocab(writer, gguf, spec.vocab)
 
         n_kv = spec.head_dim * spec.heads_kv
         # unit-variance embeddings: the first RMS norm sees O(1) values

@@ -16,12 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_ggml._gguf import read_kv
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import MemoryStatus
-from kvcache_ggml.hparams import HParams
 from kvcache_ggml.iswa import STATE_SEQ_FLAGS_PARTIAL_ONLY, KVCacheISWA
-from kvcache_ggml.runtime.gemma import GemmaParams
+from kvcache_ggml.runtime.gemma import GemmaShape
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 
 from conftest import ORACLE_DIR, ORACLE_PY
@@ -43,17 +41,6 @@ def iswa_lib():
                            env=dict(os.environ, ORACLE_DIR=str(ORACLE_DIR)), timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
     return out
-
-
-class GemmaLike:
-    """The hyper-parameters of a Gemma GGUF as llama.cpp loads them (what KVCacheISWA reads of a model)."""
-
-    def __init__(self, path):
-        self.hparams = HParams.from_gguf(path)
-        GemmaParams.resolve(read_kv(path), self.hparams)
-
-    def dev_layer(self, il):
-        return None
 
 
 def our_decode(mem, pos, seqs, n_ubatch, use_pos):
@@ -180,7 +167,7 @@ def test_random_iswa_trace_matches_llama_cpp(name, seed, iswa_lib, tmp_path):
     model = make_gemma_model(tmp_path / "g2.gguf", GemmaSpec(arch="gemma2", layers=4, n_swa=cfg["n_swa"],
                                                              vocab=VOCAB))
     cache = {k: v for k, v in cfg.items() if k not in ("n_swa", "p_decode")}
-    mem = KVCacheISWA(GemmaLike(model), **cache)
+    mem = KVCacheISWA(GemmaShape(model), **cache)
     rng = np.random.default_rng(1000 * seed + sum(name.encode()))
     ops, ours = make_trace(rng, mem, cfg, 60)
     spec = {"lib": str(iswa_lib), "model": str(model), "cache": cache, "ops": ops}
