@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .modelmaker import _WEIGHT_TYPES, _add_common_keys, _add_matrix
+from .modelmaker import _WEIGHT_TYPES, _add_common_keys, _add_matrix, _checked_spec
 
 __all__ = ["GemmaSpec", "make_gemma_model"]
 
@@ -85,11 +85,7 @@ def make_gemma_model(path: str | Path, spec: GemmaSpec | None = None, **kwargs) 
     """Write the Gemma model described by ``spec`` (or by keyword arguments of :class:`GemmaSpec`) to ``path``."""
     import gguf
 
-    if spec is None:
-        spec = GemmaSpec(**kwargs)
-    elif kwargs:
-        raise TypeError(f"pass either spec or keyword arguments, not both: {sorted(kwargs)}")
-    spec.check()
+    spec = _checked_spec(GemmaSpec, spec, kwargs)
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from .._gguf import read_kv
 from .gemma import GemmaParams
-from .reference import Reference
+from .reference import Reference, new_tokens
 
 __all__ = ["GemmaReference", "GemmaReferenceCache", "rope_neox", "gelu_ggml"]
 
@@ -102,14 +102,8 @@ class GemmaReferenceCache:
         """Append the tokens (positions default to after the cached ones); float64 [n_tokens, n_vocab] logits."""
         ref = self.ref
         hp, gp, w = ref.hparams, ref.gemma, ref.w
-        tok = np.asarray(tokens, np.int64)
+        tok, p = new_tokens(ref.n_vocab, self.pos, tokens, pos)
         n = tok.shape[0]
-        start = int(self.pos.max()) + 1 if len(self) else 0
-        p = np.arange(start, start + n) if pos is None else np.asarray(pos, np.int64)
-        if p.shape != (n,):
-            raise ValueError(f"pos has shape {p.shape}, expected [{n}]")
-        if n == 0 or tok.min() < 0 or tok.max() >= ref.n_vocab:
-            raise ValueError(f"tokens must be a non-empty list of ids in [0, {ref.n_vocab})")
         d = hp.n_embd_head_k
         all_pos = np.concatenate([self.pos, p])
         causal = all_pos[None, :] <= p[:, None]                                  # [query, key]

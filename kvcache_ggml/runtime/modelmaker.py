@@ -78,6 +78,16 @@ def _add_matrix(writer, gguf, name: str, w: np.ndarray, wtype: str) -> None:
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
 
+def _checked_spec(cls: type, spec, kwargs: dict):
+    """``spec``, or a ``cls`` from keyword arguments (not both), after its check()."""
+    if spec is None:
+        spec = cls(**kwargs)
+    elif kwargs:
+        raise TypeError(f"pass either spec or keyword arguments, not both: {sorted(kwargs)}")
+    spec.check()
+    return spec
+
+
 def _add_common_keys(writer, gguf, spec, arch: str) -> None:
     """The keys every architecture the maker writes has: name, shape, norm epsilon, RoPE base, file type, vocab
     (``spec``: a ModelSpec or anything with its fields)."""
@@ -111,11 +121,7 @@ def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Pat
     """Write the model described by ``spec`` (or by keyword arguments of :class:`ModelSpec`) to ``path``."""
     import gguf
 
-    if spec is None:
-        spec = ModelSpec(**kwargs)
-    elif kwargs:
-        raise TypeError(f"pass either spec or keyword arguments, not both: {sorted(kwargs)}")
-    spec.check()
+    spec = _checked_spec(ModelSpec, spec, kwargs)
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
 
