@@ -102,8 +102,9 @@ def restore_check(ctx, src: int, dst: int, history: list[int], probe: int, flash
                   corrupt=None) -> RestoreCheck:
     """Save sequence src to a file, restore it into dst, compare like with like.
 
-    The cells, exactly: dst's state must equal src's byte for byte (the same cells in the same order, positions,
-    K and V rows; :func:`same_sequence_state`).  The logits of the same next token in both, within a stated
+    The cells, exactly: dst's state must equal src's as it was saved, byte for byte (the same cells in the same
+    order, positions, K and V rows; :func:`same_sequence_state`; the state src has afterwards may be smaller: a
+    sliding-window cache reuses cells outside every window, src's too, when it places dst's).  The logits of the same next token in both, within a stated
     bound: dst's cells sit elsewhere in the cache, so the probe's own new cell lands at another place among them
     and the attention adds the same terms in another order.  With an F16 V and flash attention the CPU kernel
     accumulates V in F16 (unit roundoff u = 2^-11), otherwise in F32 (u = 2^-24).  Reordering a sum of n terms
@@ -113,6 +114,7 @@ def restore_check(ctx, src: int, dst: int, history: list[int], probe: int, flash
     check is the cells.  ``corrupt(ctx, dst)`` (tests) may damage dst after the restore.
     """
     from .batch import Batch
+    saved = ctx.state_seq_get_data(src)
     with tempfile.TemporaryDirectory(prefix="kvcache_demo_") as tmp:
         f = Path(tmp) / f"seq{src}.bin"
         ctx.state_seq_save_file(f, src, history)
@@ -120,9 +122,9 @@ def restore_check(ctx, src: int, dst: int, history: list[int], probe: int, flash
         tokens = ctx.state_seq_load_file(f, dst)
     if corrupt is not None:
         corrupt(ctx, dst)
-    same_cells = same_sequence_state(ctx.state_seq_get_data(src), ctx.state_seq_get_data(dst))
+    same_cells = same_sequence_state(saved, ctx.state_seq_get_data(dst))
     pos = ctx.memory_seq_pos_max(src) + 1
-    n_attended = pos - ctx.memory_seq_pos_min(src) + 1
+    n_attended = pos - _full_attention_cache(ctx.kv).seq_pos_min(src) + 1
     out = ctx.decode(Batch(token=np.array([probe, probe], np.int32), pos=np.array([pos, pos], np.int32),
                            seq_id=np.array([src, dst], np.int32), logits=np.ones(2, np.int8)))
     for s in (src, dst):
@@ -134,22 +136,35 @@ def restore_check(ctx, src: int, dst: int, history: list[int], probe: int, flash
     return RestoreCheck(same_cells, tokens.tolist() == list(history), diff, tol, n_attended, n_layer, f16_sum)
 
 
+def _full_attention_cache(kv):
+    """The cache the full-attention layers read: the iSWA pair's base cache (whose positions of a sequence are a
+    superset of the SWA cache's), else the cache itself."""
+    from .iswa import KVCacheISWA
+    return kv.get_base() if isinstance(kv, KVCacheISWA) else kv
+
+
 def same_sequence_state(a: bytes, b: bytes) -> bool:
     """Two sequence state blobs hold the same cells: same order, positions and K/V bytes (the sequence ids and the
-    stream, which a single-sequence blob also records, may differ)."""
+    stream, which a single-sequence blob also records, may differ).  A blob of a sliding-window model is the base
+    cache's state followed by the SWA cache's: every cache's part is compared."""
     from .state import parse_state
 
     def content(blob: bytes) -> list:
-        info = parse_state(blob)
-        out = []
-        for st, sd in zip(info.streams, info.to_dict()["streams"]):
-            if not st.cell_count:
-                continue
-            cells = [(c["pos"], c["n_cells"]) for c in sd["cells"]]
-            data = [blob[o:o + n] for L in st.layers for o, n in ((L.k_offset, L.k_nbytes), (L.v_offset, L.v_nbytes))]
-            layers = [{k: v for k, v in ld.items() if "offset" not in k} for ld in sd["layers"]]
-            out.append((cells, sd["v_trans"], layers, data))
-        return out
+        out, rest = [], memoryview(blob)
+        while True:  # one cache's state per pass (two for the iSWA pair)
+            info = parse_state(rest)
+            for st, sd in zip(info.streams, info.to_dict()["streams"]):
+                if not st.cell_count:
+                    continue
+                cells = [(c["pos"], c["n_cells"]) for c in sd["cells"]]
+                data = [bytes(rest[o:o + n]) for L in st.layers
+                        for o, n in ((L.k_offset, L.k_nbytes), (L.v_offset, L.v_nbytes))]
+                layers = [{k: v for k, v in ld.items() if "offset" not in k} for ld in sd["layers"]]
+                out.append((cells, sd["v_trans"], layers, data))
+            out.append("end of a cache's state")
+            if not info.trailing:
+                return out
+            rest = rest[len(rest) - info.trailing:]
 
     return content(a) == content(b)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvcache_ggml import _ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams, SwaType
@@ -173,6 +174,29 @@ def test_sequence_state_round_trip(gemma):
         nxt = ctx.decode(Batch(token=np.array([toks[100]] * 2, np.int32), pos=np.array([100, 100], np.int32),
                                seq_id=np.array([0, 1], np.int32), logits=np.ones(2, np.int8)))
     assert rel_err(nxt[1], nxt[0]) < LAYOUT_TOL
+
+
+def _corrupt_one_swa_k_row(ctx, dst):
+    """Overwrite the K row of one of dst's cells in the SWA cache's first layer (an F32 cache) with 0.5s."""
+    swa = ctx.kv.get_swa()
+    cells = swa.v_cells[0]
+    idx = [i for i in range(cells.size()) if not cells.is_empty(i) and cells.seq_has(i, dst)]
+    k = swa.layers[0].k
+    row = G.nb(k)[1]
+    junk = np.full(row // 4, 0.5, np.float32)
+    G.ggml_backend_tensor_set(k, junk.ctypes.data, idx[len(idx) // 2] * row, row)
+
+
+def test_demo_restore_check_compares_both_caches_parts(gemma):
+    """The demo's like-with-like check on an iSWA blob (base state, then SWA state): a damaged SWA row is seen."""
+    from kvcache_ggml.demo import restore_check
+    model, _ = gemma
+    toks = tokens(40, seed=5)
+    for corrupt, same in ((None, True), (_corrupt_one_swa_k_row, False)):
+        with ctx_of(model, n_seq_max=2) as ctx:
+            ctx.decode(Batch(token=toks))
+            rc = restore_check(ctx, 0, 1, toks.tolist(), 7, False, "f32", corrupt=corrupt)
+            assert rc.same_tokens and rc.same_cells is same and rc.ok is same, rc
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
