@@ -15,7 +15,7 @@ from kvcache_ggml.batch import Batch
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams, SwaType
 from kvcache_ggml.iswa import KVCacheISWA
-from kvcache_ggml.runtime import Context
+from kvcache_ggml.runtime import Context, RuntimeParams
 from kvcache_ggml.runtime.arch import load_model, runtime_for
 from kvcache_ggml.runtime.gemma import GemmaModel, GemmaParams
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
@@ -174,6 +174,22 @@ def test_sequence_state_round_trip(gemma):
         nxt = ctx.decode(Batch(token=np.array([toks[100]] * 2, np.int32), pos=np.array([100, 100], np.int32),
                                seq_id=np.array([0, 1], np.int32), logits=np.ones(2, np.int8)))
     assert rel_err(nxt[1], nxt[0]) < LAYOUT_TOL
+
+
+@pytest.mark.parametrize("swa_full,unified", [(False, True), (False, False), (True, True)])
+def test_memory_plan_has_both_caches(gemma, swa_full, unified):
+    from kvcache_ggml.runtime.memory import kv_memory_plan
+    model, _ = gemma
+    p = RuntimeParams(n_ctx=1024, n_ubatch=32, n_seq_max=2, kv_unified=unified, swa_full=swa_full)
+    plan = kv_memory_plan(model, p)
+    with Context(model, p) as ctx:
+        base, swa = ctx.kv.get_base(), ctx.kv.get_swa()
+        assert plan.kv_size == base.get_size() and plan.n_stream == base.get_n_stream()
+        assert {ln.cache: ln.total for ln in plan.lines} == {"base": base.total_size(), "SWA": swa.total_size()}
+        assert {ln.cache: ln.cells for ln in plan.lines} == {c: kv.get_size() * kv.get_n_stream()
+                                                              for c, kv in (("base", base), ("SWA", swa))}
+        assert plan.total == sum(ctx.kv.memory_breakdown().values())
+        assert (swa.get_size() < base.get_size()) is not swa_full
 
 
 def _corrupt_one_swa_k_row(ctx, dst):

@@ -29,6 +29,7 @@ class ArchRuntime:
     graph_key: Callable[..., Any]        # (mctx, ubatch, n_outputs, kv_unified) -> the graph's topology key
     build: Callable[..., Any]            # (ctx, model, cparams, mctx, ubatch, key, *, flash_attn, fa_cast_f32_kv)
     set_inputs: Callable[..., None]      # (graph, mctx, ubatch, causal_attn)
+    iswa: bool = False                   # create_memory makes a KVCacheISWA when the model has SWA layers
 
 
 def _plain_memory(model: Any, params: KVCacheParams, n_ubatch: int, swa_full: bool) -> KVCache:
@@ -45,7 +46,7 @@ def _llama_runtime() -> ArchRuntime:
 def _gemma_runtime() -> ArchRuntime:
     from . import gemma
     return ArchRuntime(gemma.GemmaModel, gemma.create_memory, gemma.graph_capacity, gemma.graph_key,
-                       gemma.build_gemma, gemma.set_gemma_inputs)
+                       gemma.build_gemma, gemma.set_gemma_inputs, iswa=True)
 
 
 _FACTORIES: dict[str, Callable[[], ArchRuntime]] = {"llama": _llama_runtime, "gemma2": _gemma_runtime,
