@@ -299,3 +299,28 @@ def test_make_model_cli_and_demo_run_a_gemma_model(tmp_path, capsys):
                       "--no-swa-full"]) == 0
     text = capsys.readouterr().out
     assert "SWA cache" in text and "base cache" in text and "-> OK" in text
+
+
+def test_generate_on_a_gemma_model_with_a_real_vocabulary(tmp_path, capsys):
+    """The model maker's --vocab-from and --embd-type on a Gemma file; generate's greedy text is the reference's."""
+    from pathlib import Path
+
+    from kvcache_ggml.generate import main as generate_main
+    from kvcache_ggml.runtime.modelmaker import main as make_model_main
+    from kvcache_ggml.runtime.tokenizer import Vocab
+    gpt2 = Path(__file__).parent / "data" / "vocab" / "ggml-vocab-gpt-2.gguf"
+    out = tmp_path / "g2.gguf"
+    assert make_model_main([str(out), "--arch", "gemma2", "--layers", "2", "--embd", "64", "--vocab-from", str(gpt2),
+                            "--embd-type", "q8_0", "--ctx", "512", "--n-swa", "4", "--seed", "2"]) == 0
+    vocab = Vocab.from_gguf(out)
+    with load_model(out) as m:
+        assert m.n_vocab == vocab.n_tokens > 50000 and m.hparams.n_swa == 4
+    capsys.readouterr()
+    prompt = "Hello world, this is"
+    assert generate_main(["--model", str(out), "--prompt", prompt, "--n-predict", "6", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    ids = vocab.tokenize(prompt)
+    ref = GemmaReference(out)
+    for _ in range(6):
+        ids.append(int(np.argmax(ref.forward(ids)[-1])))
+    assert text == prompt + vocab.detokenize(ids[-6:]) + "\n"
