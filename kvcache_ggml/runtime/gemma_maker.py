@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .modelmaker import _add_common_keys, _add_matrix, _checked_spec, check_weight_types
+from .modelmaker import _add_common_keys, _add_matrix, _checked_spec, check_spec
 
 __all__ = ["GemmaSpec", "make_gemma_model"]
 
@@ -52,18 +52,12 @@ class GemmaSpec:
         """ValueError naming the first value out of its range."""
         if self.arch not in ("gemma2", "gemma3"):
             raise ValueError(f"arch must be 'gemma2' or 'gemma3', got {self.arch!r}")
-        for name in ("layers", "embd", "heads", "heads_kv", "head_dim", "ff", "ctx", "swa_period"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.vocab < 4:
-            raise ValueError(f"vocab must be >= 4 (3 special tokens and a piece), got {self.vocab}")
-        if self.heads % self.heads_kv:
-            raise ValueError(f"heads {self.heads} must be a multiple of heads_kv {self.heads_kv}")
+        check_spec(self, ("layers", "embd", "heads", "heads_kv", "head_dim", "ff", "ctx", "swa_period"),
+                   ("embd", "ff", "head_dim"))
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even (RoPE pairs)")
         if self.n_swa < 0 or (self.n_swa == 0 and self.arch == "gemma2"):
             raise ValueError(f"n_swa must be >= 1 for gemma2 and >= 0 for gemma3, got {self.n_swa}")
-        check_weight_types(self, ("embd", "ff", "head_dim"))
 
 
 def _write_keys(writer, gguf, spec: GemmaSpec) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import _ggml as G
 
-__all__ = ["ModelSpec", "make_model", "main", "WEIGHT_TYPES", "check_weight_types"]
+__all__ = ["ModelSpec", "make_model", "main", "WEIGHT_TYPES", "check_spec"]
 
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K",
                 "q6_K", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "iq4_nl", "iq4_xs",
@@ -49,27 +49,29 @@ class ModelSpec:
 
     def check(self) -> None:
         """ValueError naming the first value out of its range."""
-        for name in ("layers", "embd", "heads", "heads_kv", "ff", "ctx"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.vocab < 4:
-            raise ValueError(f"vocab must be >= 4 (3 special tokens and a piece), got {self.vocab}")
+        check_spec(self, ("layers", "embd", "heads", "heads_kv", "ff", "ctx"), ("embd", "ff"))
         if self.embd % self.heads:
             raise ValueError(f"embd {self.embd} must be a multiple of heads {self.heads}")
-        if self.heads % self.heads_kv:
-            raise ValueError(f"heads {self.heads} must be a multiple of heads_kv {self.heads_kv}")
         if (self.embd // self.heads) % 2:
             raise ValueError(f"the head size embd/heads = {self.embd // self.heads} must be even (RoPE pairs)")
-        check_weight_types(self, ("embd", "ff"))
 
     @property
     def head_dim(self) -> int:
         return self.embd // self.heads
 
 
-def check_weight_types(spec, matrix_widths: tuple[str, ...]) -> None:
-    """ValueError unless ``spec.type`` and ``spec.embd_type`` are WEIGHT_TYPES whose block divides the widths
-    (ggml ne0) of the matrices they store: the fields ``matrix_widths`` for ``type``, ``embd`` for ``embd_type``."""
+def check_spec(spec, positive: tuple[str, ...], matrix_widths: tuple[str, ...]) -> None:
+    """The checks every model spec shares (ValueError naming the first value out of its range): the fields
+    ``positive`` >= 1, a vocabulary of at least 4, heads a multiple of heads_kv, and ``spec.type`` and
+    ``spec.embd_type`` WEIGHT_TYPES whose block divides the widths (ggml ne0) of the matrices they store: the
+    fields ``matrix_widths`` for ``type``, ``embd`` for ``embd_type``."""
+    for name in positive:
+        if getattr(spec, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(spec, name)}")
+    if spec.vocab < 4:
+        raise ValueError(f"vocab must be >= 4 (3 special tokens and a piece), got {spec.vocab}")
+    if spec.heads % spec.heads_kv:
+        raise ValueError(f"heads {spec.heads} must be a multiple of heads_kv {spec.heads_kv}")
     for key in ("type", "embd_type"):
         t = getattr(spec, key)
         if key == "embd_type" and not t:
