@@ -17,6 +17,8 @@ _LAZY = {
     "KVCells": ".cells",
     "Batch": ".batch",
     "KVCache": ".cache",
+    "KVCacheISWA": ".iswa",
+    "SWACheckpoints": ".swa_checkpoint",
 }
 
 __all__ = ["HParams", "RopeType", "SwaType", "is_masked_swa", "is_masked_swa_np", "llama_relative_position_bucket",

@@ -46,7 +46,7 @@ def sample(logits: np.ndarray, sp: SamplerParams, rng: np.random.Generator) -> n
 def _args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="a llama-family GGUF with a tokenizer")
+    ap.add_argument("--model", type=Path, required=True, help="a llama, gemma2 or gemma3 GGUF with a tokenizer")
     ap.add_argument("--prompt", required=True, help="the text to continue")
     ap.add_argument("--n-predict", type=int, default=64,
                     help="most tokens generated per sequence (default %(default)s)")
@@ -71,8 +71,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     from .batch import Batch
     from .runtime.context import Context, DecodeError, RuntimeParams
+    from .runtime.arch import load_model
     from .runtime.memory import kv_memory_plan
-    from .runtime.model import Model
     from .runtime.tokenizer import StreamDecoder, Vocab
 
     from . import _ggml as G
@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     a = _args(argv)
     G.set_log_level(3)
     out = sys.stdout
-    with Model(a.model) as model:
+    with load_model(a.model) as model:
         vocab = Vocab.from_kv(model.gguf_kv, str(a.model))
         prompt = np.array(vocab.tokenize(a.prompt, add_special=True, parse_special=True), np.int32)
         params = RuntimeParams(n_ctx=a.n_ctx, n_batch=max(len(prompt), a.n_par), n_seq_max=a.n_par,

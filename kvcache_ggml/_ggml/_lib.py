@@ -60,6 +60,8 @@ REQUIRED: tuple[str, ...] = (
     # ggml.h: ops of the llama runtime's decoder graph (kvcache_ggml/runtime/graph.py)
     "ggml_rms_norm", "ggml_swiglu_split", "ggml_flash_attn_ext", "ggml_flash_attn_ext_set_prec",
     "ggml_mul_mat_set_prec",
+    # ggml.h: ops of the Gemma graph (kvcache_ggml/runtime/gemma.py)
+    "ggml_geglu_split", "ggml_tanh",
     "ggml_set_input", "ggml_set_output", "ggml_set_name", "ggml_get_name", "ggml_get_first_tensor",
     "ggml_get_next_tensor", "ggml_get_tensor",
     "ggml_nbytes", "ggml_nelements", "ggml_nrows", "ggml_row_size", "ggml_type_size", "ggml_blck_size",

@@ -316,6 +316,13 @@ class KVCache:
     def state_load(self, data: Any, seq_id: int = -1) -> int:
         return self.codec.state_load(data, seq_id)
 
+    def check_seq_state(self, seq_id: int, allow_all: bool = False, data: bool = True) -> None:
+        """ValueError unless the state of ``seq_id`` (-1: every sequence, when ``allow_all``) can be saved or
+        restored here: a sequence of this cache, a layout with per-row data and (``data``) tensors holding data.
+        The state files check it before they touch the file or the cache."""
+        self.book.check_seq(seq_id, allow_all)
+        self.codec.check_layout(data)
+
     # ================================================================== ownership
 
     def close(self) -> None:

@@ -79,8 +79,7 @@ def read_state_file(path: str | os.PathLike) -> StateInfo:
 
 def save_seq_file(path: str | os.PathLike, kv: KVCache, seq_id: int, tokens: Any = ()) -> int:
     """``llama_state_seq_save_file``: magic, version, the tokens, then the state of ``seq_id``; returns its size."""
-    kv.book.check_seq(seq_id)
-    kv.codec.check_layout(data=True)
+    kv.check_seq_state(seq_id)
     toks = np.asarray(tokens)
     if toks.size == 0:
         toks = np.empty(0, np.int32)
@@ -99,7 +98,7 @@ def load_seq_file(path: str | os.PathLike, kv: KVCache, dest_seq_id: int,
                   n_token_capacity: int | None = None) -> np.ndarray:
     """``llama_state_seq_load_file``: restore sequence ``dest_seq_id`` from a sequence state file; returns its
     tokens (int32).  More than ``n_token_capacity`` tokens (when given) or bytes after the state: ``ValueError``."""
-    kv.book.check_seq(dest_seq_id)
+    kv.check_seq_state(dest_seq_id)
     with open(path, "rb") as f:
         io = StreamReader(f)
         magic = io.u32("magic")
@@ -115,7 +114,7 @@ def load_seq_file(path: str | os.PathLike, kv: KVCache, dest_seq_id: int,
         n = kv.state_read(io, dest_seq_id)
         extra = io.remaining()
         if extra:
-            kv.codec.undo_restore(dest_seq_id)
+            kv.seq_rm(dest_seq_id, -1, -1)  # what a failed restore of one sequence leaves
             raise ValueError(f"state at offset {state_start} is {n} bytes followed by {extra} trailing bytes, "
                              f"expected none")
     return tokens

@@ -1,6 +1,8 @@
 """A llama.cpp-style runtime on the cache: model loading, decoding with a ggml graph per ubatch, a numpy reference.
 
 * :class:`~kvcache_ggml.runtime.model.Model` -- a llama GGUF in ggml backend buffers (``llama_model``);
+  :class:`~kvcache_ggml.runtime.gemma.GemmaModel` for Gemma 2/3; :func:`~kvcache_ggml.runtime.arch.load_model`
+  picks the class of a file's architecture;
 * :class:`~kvcache_ggml.runtime.context.Context` -- a KV cache and a scheduler; ``decode(batch)`` as ``llama_decode``;
 * :func:`~kvcache_ggml.runtime.modelmaker.make_model` -- a random-weight llama GGUF (``make-model``);
 * :class:`~kvcache_ggml.runtime.reference.Reference` -- a float64 numpy forward pass of the same file;
@@ -23,6 +25,9 @@ _LAZY = {
     "Vocab": ".tokenizer",
     "kv_memory_plan": ".memory",
     "NodeTrace": ".trace",
+    "load_model": ".arch",
+    "GemmaModel": ".gemma",
+    "GemmaReference": ".gemma_reference",
 }
 
 __all__ = sorted(_LAZY)

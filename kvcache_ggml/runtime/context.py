@@ -26,7 +26,8 @@ from ..batch import Batch, BatchAllocator
 from ..cache import KVCache, KVCacheParams, MemoryStatus
 from ..cparams import CParams, ContextParams, RopeScalingType
 from ..state import load_seq_file, save_seq_file
-from .graph import DecoderGraph, build_decoder, graph_capacity, graph_key, set_inputs
+from .arch import runtime_for
+from .graph import DecoderGraph
 
 __all__ = ["Context", "RuntimeParams", "DecodeError", "StepTimes"]
 
@@ -69,6 +70,7 @@ class RuntimeParams:
     offload_kqv: bool = True          # K/V of layer il on the model's dev_layer(il) (the CPU by default)
     fa_cast_f32_kv: bool = False      # cast an F32 K/V cache to F16 before flash attention, as llama.cpp does
     graph_reuse: bool = True          # compute the previous graph again when its topology fits the ubatch
+    swa_full: bool = True             # sliding-window models: a full-size SWA cache (llama.cpp's default)
 
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
@@ -163,17 +165,19 @@ class Context:
         self.cparams: CParams = CParams.from_hparams(hp, params.context_params())
         self.n_vocab = int(model.n_vocab)
         self.times = StepTimes()
+        self._rt = runtime_for(hp.arch)                   # the architecture's memory and graph
         self.kv: KVCache | None = None
         self._sched: G.Sched | None = None
         self._backends: list[G.Backend] = []
         self._gctx: G.Context | None = None
         self._prev: DecoderGraph | None = None
         try:
-            self.kv = KVCache(model, KVCacheParams(
+            self.kv = self._rt.create_memory(model, KVCacheParams(
                 type_k=params.type_k, type_v=params.type_v, v_trans=not params.flash_attn,
                 offload=params.offload_kqv, unified=params.kv_unified, kv_size=self.cparams.n_ctx_seq,
-                n_seq_max=self.cparams.n_seq_max, n_pad=1, n_swa=hp.n_swa, swa_type=hp.swa_type))
-            cap = max(graph_capacity(hp.n_layer), self.kv.shift_graph_size())
+                n_seq_max=self.cparams.n_seq_max, n_pad=1, n_swa=hp.n_swa, swa_type=hp.swa_type),
+                self.cparams.n_ubatch, params.swa_full)
+            cap = max(self._rt.capacity(hp.n_layer), self.kv.shift_graph_size())
             self._graph_size = cap
             devs = list(model.devices()) if hasattr(model, "devices") else []
             for dev in devs:
@@ -267,7 +271,7 @@ class Context:
         """Build (or reuse), fill and compute the graph of one applied ubatch; its logits rows."""
         tm = self.times
         t0 = _perf()
-        key = graph_key(mctx, ubatch, n_outputs, self.params.kv_unified)
+        key = self._rt.graph_key(mctx, ubatch, n_outputs, self.params.kv_unified)
         g = self._prev
         if g is not None and self.params.graph_reuse and g.key == key:
             tm.n_graph_reused += 1
@@ -275,14 +279,14 @@ class Context:
             self._prev = None
             self._sched.reset()
             G.ggml_reset(self._gctx.ptr)
-            g = build_decoder(self._gctx, self.model, self.cparams, mctx, ubatch, key,
-                              flash_attn=self.params.flash_attn, fa_cast_f32_kv=self.params.fa_cast_f32_kv)
+            g = self._rt.build(self._gctx, self.model, self.cparams, mctx, ubatch, key,
+                               flash_attn=self.params.flash_attn, fa_cast_f32_kv=self.params.fa_cast_f32_kv)
             self._sched.alloc_graph(g.graph)
             g.map_inputs()
             self._prev = g
         t1 = _perf()
         tm.build += t1 - t0
-        set_inputs(g, mctx, ubatch, self.cparams.causal_attn)
+        self._rt.set_inputs(g, mctx, ubatch, self.cparams.causal_attn)
         t2 = _perf()
         tm.inputs += t2 - t1
         self._cpu.set_n_threads(self.cparams.n_threads if ubatch.n_tokens == 1 else self.cparams.n_threads_batch)

@@ -16,7 +16,8 @@ import numpy as np
 
 from .. import _ggml as G
 
-__all__ = ["GraphKey", "DecoderGraph", "graph_key", "build_decoder", "set_inputs", "graph_capacity"]
+__all__ = ["GraphKey", "DecoderGraph", "graph_key", "build_decoder", "build_token_inputs", "set_inputs",
+           "graph_capacity"]
 
 _F32, _F16, _I32 = G.GGMLType.F32, G.GGMLType.F16, G.GGMLType.I32
 _GGML_PREC_F32 = 10      # enum ggml_prec: GGML_PREC_F32
@@ -84,34 +85,46 @@ def _rms_norm(c: int, x: Any, weight: Any, eps: float, il: int) -> Any:
     return G.ggml_mul(c, _cb(G.ggml_rms_norm(c, x, eps), "norm", il), weight)
 
 
+def _new_input(c: int, type_: Any, ne: tuple[int, ...], name: str) -> Any:
+    t = G.new_tensor(c, type_, ne, name)
+    G.ggml_set_input(t)
+    return t
+
+
+def build_token_inputs(c: int, model: Any, key: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """The ubatch's inputs: tokens (or embeddings), positions and output rows; and the embeddings they give.
+
+    Returns (tokens I32 [n_tokens] or None, embd F32 [n_embd, n_tokens] or None, the embeddings F32
+    [n_embd, n_tokens], pos I32 [n_tokens], out_ids I32 [n_outputs]).
+    """
+    n_tokens = key.n_tokens
+    tokens = embd = None
+    if key.embd_input:
+        embd = _new_input(c, _F32, (model.hparams.n_embd, n_tokens), "inp_embd")  # [n_embd, n_tokens]
+        inp_l = embd
+    else:
+        tokens = _new_input(c, _I32, (n_tokens,), "inp_tokens")                # [n_tokens]
+        inp_l = _cb(G.ggml_get_rows(c, model.tok_embd, tokens), "embd")        # [n_embd, n_tokens] F32
+    pos = _new_input(c, _I32, (n_tokens,), "inp_pos")                          # [n_tokens]
+    out_ids = _new_input(c, _I32, (key.n_outputs,), "inp_out_ids")             # [n_outputs]
+    return tokens, embd, inp_l, pos, out_ids
+
+
 def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any, key: GraphKey, *,
                   flash_attn: bool, fa_cast_f32_kv: bool = False) -> DecoderGraph:
     """Build the graph of ``ubatch`` (after ``mctx.apply()``) in ``ctx``; ``key`` from :func:`graph_key`."""
     hp = model.hparams
     c = ctx.ptr
-    n_tokens, n_outputs, n_embd = key.n_tokens, key.n_outputs, hp.n_embd
+    n_tokens = key.n_tokens
     d = hp.n_embd_head_k
     kq_scale = 1.0 / math.sqrt(float(d))
 
-    def new_input(type_: Any, ne: tuple[int, ...], name: str) -> Any:
-        t = G.new_tensor(c, type_, ne, name)
-        G.ggml_set_input(t)
-        return t
-
-    tokens = embd = None
-    if key.embd_input:
-        embd = new_input(_F32, (n_embd, n_tokens), "inp_embd")                 # [n_embd, n_tokens]
-        inp_l = embd
-    else:
-        tokens = new_input(_I32, (n_tokens,), "inp_tokens")                    # [n_tokens]
-        inp_l = _cb(G.ggml_get_rows(c, model.tok_embd, tokens), "embd")        # [n_embd, n_tokens] F32
-    pos = new_input(_I32, (n_tokens,), "inp_pos")                              # [n_tokens]
-    out_ids = new_input(_I32, (n_outputs,), "inp_out_ids")                     # [n_outputs]
+    tokens, embd, inp_l, pos, out_ids = build_token_inputs(c, model, key)
     k_idxs = mctx.build_input_k_idxs(ctx, ubatch)                              # I64 [n_tokens]
     v_idxs = mctx.build_input_v_idxs(ctx, ubatch)                              # I64 [n_tokens(*n_embd_v_gqa)]
     G.set_name(k_idxs, "inp_k_idxs")
     G.set_name(v_idxs, "inp_v_idxs")
-    kq_mask = new_input(_F32, (key.n_kv, n_tokens // key.n_stream, 1, key.n_stream), "inp_kq_mask")
+    kq_mask = _new_input(c, _F32, (key.n_kv, n_tokens // key.n_stream, 1, key.n_stream), "inp_kq_mask")
     mask = G.ggml_cast(c, kq_mask, _F16) if flash_attn else kq_mask          # flash attention takes an F16 mask
 
     graph = G.Graph(ctx, graph_capacity(hp.n_layer))
@@ -164,9 +177,10 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
 
 
 def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash_attn: bool,
-               fa_cast_f32_kv: bool, il: int) -> Any:
+               fa_cast_f32_kv: bool, il: int, softcap: float = 0.0) -> Any:
     """Multi-head attention of q [d, n_head, n_tokens] over the cache views k and v (build_attn_mha).
 
+    ``softcap`` > 0 caps the logits as softcap*tanh(kq/softcap) before the softmax (Gemma 2).
     Returns [d*n_head, n_tokens] with the tokens of stream s at rows s*n_tps .. (s+1)*n_tps - 1.
     """
     v_trans = G.nb(v)[1] > G.nb(v)[2]
@@ -186,13 +200,18 @@ def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash
                 k = G.ggml_cast(c, k, _F16)
             if G.ttype(v) == _F32:
                 v = G.ggml_cast(c, v, _F16)
-        cur = _cb(G.ggml_flash_attn_ext(c, q, k, v, mask, kq_scale, 0.0, 0.0), "__fattn__", il)  # [d,n_head,n_tps,ns]
+        cur = G.ggml_flash_attn_ext(c, q, k, v, mask, kq_scale, 0.0, softcap)   # [d, n_head, n_tps, ns]
+        _cb(cur, "__fattn__", il)
         G.ggml_flash_attn_ext_set_prec(cur, _GGML_PREC_F32)
         ne = G.ne(cur)
         return G.ggml_reshape_2d(c, cur, ne[0] * ne[1], ne[2] * ne[3])         # [d*n_head, n_tokens]
 
     kq = _cb(G.ggml_mul_mat(c, k, q), "kq", il)                                 # [n_kv, n_tps, n_head, ns]
     G.ggml_mul_mat_set_prec(kq, _GGML_PREC_F32)
+    if softcap:  # as llm_graph_context::build_attn_mha: kq/softcap, tanh, *softcap
+        kq = _cb(G.ggml_scale(c, kq, float(np.float32(1.0) / np.float32(softcap))), "kq_scaled_1", il)
+        kq = _cb(G.ggml_tanh(c, kq), "kq_tanh", il)
+        kq = _cb(G.ggml_scale(c, kq, softcap), "kq_scaled_2", il)
     kq = _cb(G.ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0), "kq_soft_max", il)  # [n_kv, n_tps, n_head, ns]
     if not v_trans:
         v = _cb(G.ggml_cont(c, G.ggml_transpose(c, v)), "v_cont", il)           # [n_kv, d, n_head_kv, ns]

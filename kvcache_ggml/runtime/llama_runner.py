@@ -9,7 +9,7 @@ Two halves:
   one JSON line per operation.  It imports nothing from kvcache_ggml.
 
 Spec: ``{"model": path, "params": {n_ctx, n_batch, n_ubatch, n_seq_max, kv_unified, flash_attn, type_k, type_v,
-n_threads}, "ops": [...]}`` with ops ``{"op": "decode", "tokens", "pos", "seq" (list of lists), "logits"}``
+n_threads, swa_full}, "ops": [...]}`` with ops ``{"op": "decode", "tokens", "pos", "seq" (list of lists), "logits"}``
 (answer: ``ret`` and ``logits`` base64 float32 rows of the output tokens, batch order), ``seq_rm/seq_cp/seq_keep/
 seq_add/seq_div`` (``args``), ``pos_min/pos_max`` (``seq``), ``clear``, ``state_seq_get`` (``seq``; answer ``blob``
 base64), ``state_seq_set`` (``seq``, ``blob``), ``bench`` (``prompt``, ``n_gen``, ``n_par``, ``reps``; answer
@@ -209,6 +209,7 @@ def _open(L, path: str, pr: dict, nodes: list):  # pragma: no cover - oracle sid
     cp.n_seq_max = pr.get("n_seq_max", 1)
     cp.n_threads = cp.n_threads_batch = pr.get("n_threads", 1)
     cp.kv_unified = bool(pr.get("kv_unified", False))
+    cp.swa_full = bool(pr.get("swa_full", True))
     cp.flash_attn_type = (L.LLAMA_FLASH_ATTN_TYPE_ENABLED if pr.get("flash_attn", True)
                           else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     cp.type_k = _GGML_TYPE[pr.get("type_k", "f16")]

@@ -4,7 +4,10 @@
 (``n_ctx = 0`` is the model's ``n_ctx_train``, padded to 256; one stream per sequence unless unified) and sums, per
 buffer type holding layers' K/V, the bytes one cell takes: ``row_size(type_k, n_embd_k_gqa) +
 row_size(type_v, n_embd_v_gqa)`` over those layers.  The same arithmetic as llama.cpp's
-``llama_kv_cache: size = ... MiB (... cells, ... layers, ...)`` line, printed before the buffers exist.
+``llama_kv_cache: size = ... MiB (... cells, ... layers, ...)`` line, printed before the buffers exist.  A
+sliding-window model whose runtime keeps an iSWA cache pair (:mod:`kvcache_ggml.runtime.arch`) has a line per
+buffer type and cache: the base cache's layers over the context, the SWA layers over the SWA cache's cells
+(:func:`~kvcache_ggml.iswa.swa_cache_size`), as llama.cpp prints one size line per cache.
 """
 from __future__ import annotations
 
@@ -13,15 +16,19 @@ from typing import Any
 
 from .. import _ggml as G
 from ..cparams import CParams
+from ..hparams import SwaType
+from ..iswa import swa_cache_size
+from .arch import runtime_for
 
 __all__ = ["KVMemoryLine", "KVMemoryPlan", "kv_memory_plan"]
 
 
 @dataclass(slots=True)
 class KVMemoryLine:
-    """The K/V of the layers in one buffer type."""
+    """The K/V of the layers in one buffer type (and, for an iSWA pair, one of its caches)."""
 
     buft: str              # buffer type name ("CPU", "CUDA0", ...)
+    cache: str             # "" (the one cache), or "base" / "SWA" (the iSWA pair's caches)
     layers: int            # layers whose K/V it holds
     bytes_per_token: int   # K + V bytes of one cell over those layers
     cells: int             # cells per stream x streams
@@ -38,7 +45,7 @@ class KVMemoryPlan:
     n_ctx: int                   # resolved context size (tokens, all sequences)
     kv_size: int                 # cells per stream
     n_stream: int                # streams
-    lines: list[KVMemoryLine]    # per buffer type
+    lines: list[KVMemoryLine]    # per buffer type (and cache)
 
     @property
     def total(self) -> int:
@@ -47,8 +54,8 @@ class KVMemoryPlan:
     def describe(self, type_k: str, type_v: str) -> list[str]:
         out = [f"KV cache: n_ctx {self.n_ctx} = {self.n_stream} stream(s) x {self.kv_size} cells, K {type_k} / "
                f"V {type_v}: {self.total / 2**20:.2f} MiB"]
-        out += [f"  {ln.buft}: {ln.layers} layers x {ln.bytes_per_token} B/token x {ln.cells} cells = "
-                f"{ln.total / 2**20:.2f} MiB" for ln in self.lines]
+        out += [f"  {ln.buft}{f' ({ln.cache} cache)' if ln.cache else ''}: {ln.layers} layers x "
+                f"{ln.bytes_per_token} B/token x {ln.cells} cells = {ln.total / 2**20:.2f} MiB" for ln in self.lines]
         return out
 
 
@@ -60,13 +67,20 @@ def kv_memory_plan(model: Any, params: Any) -> KVMemoryPlan:
     n_stream = 1 if params.kv_unified else cp.n_seq_max
     tk, tv = G.parse_type(params.type_k), G.parse_type(params.type_v)
     cpu = G.ggml_backend_dev_by_type(int(G.DeviceType.CPU))
-    per: dict[str, list[int]] = {}
+    # (cache name, cells per stream) of each layer: the iSWA pair puts the SWA layers in the small cache
+    cache_of = [("", cp.n_ctx_seq)] * hp.n_layer
+    if runtime_for(hp.arch).iswa and SwaType(hp.swa_type) != SwaType.NONE and hp.is_swa_any():
+        n_swa_cells = swa_cache_size(cp.n_ctx_seq, hp.n_swa, cp.n_seq_max, cp.n_ubatch, params.kv_unified,
+                                     params.swa_full)
+        cache_of = [("SWA", n_swa_cells) if hp.is_swa(il) else ("base", cp.n_ctx_seq) for il in range(hp.n_layer)]
+    per: dict[tuple[str, str, int], list[int]] = {}
     for il in range(hp.n_layer):
         dev = model.dev_layer(il) if params.offload_kqv else cpu
         name = G.buft_name(G.ggml_backend_dev_buffer_type(dev))
         b = G.row_size(tk, hp.n_embd_k_gqa(il)) + G.row_size(tv, hp.n_embd_v_gqa(il))
-        acc = per.setdefault(name, [0, 0])
+        acc = per.setdefault((name, *cache_of[il]), [0, 0])
         acc[0] += 1
         acc[1] += b
-    lines = [KVMemoryLine(name, n, b, cp.n_ctx_seq * n_stream) for name, (n, b) in per.items()]
+    lines = [KVMemoryLine(name, cache, n, b, cells * n_stream) for (name, cache, cells), (n, b) in per.items()]
+    lines.sort(key=lambda ln: ln.cache == "SWA")  # the base cache first, as llama.cpp prints them
     return KVMemoryPlan(cp.n_ctx, cp.n_ctx_seq, n_stream, lines)

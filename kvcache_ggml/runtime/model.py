@@ -73,6 +73,9 @@ class _Placement:
 class Model:
     """Weights and hyper-parameters of a llama GGUF, owned until :meth:`close` (or the ``with`` block ends)."""
 
+    ARCHS: tuple[str, ...] = _SUPPORTED_ARCHS   # general.architecture values this class loads
+    ROPE_TYPE = RopeType.NORM                  # the RoPE those architectures use
+
     def __init__(self, path: str | PathLike, *, dev_layer: Callable[[int], Any] | None = None,
                  dev_output: Callable[[], Any] | None = None, use_extra_bufts: bool = True) -> None:
         self.path = Path(path)
@@ -80,13 +83,14 @@ class Model:
             raise FileNotFoundError(f"model file {str(self.path)!r} does not exist")
         self.hparams: HParams = HParams.from_gguf(self.path)
         hp = self.hparams
-        if hp.arch not in _SUPPORTED_ARCHS:
+        if hp.arch not in self.ARCHS:
             raise ValueError(f"{self.path}: architecture {hp.arch!r} is not supported (supported: "
-                             f"{', '.join(_SUPPORTED_ARCHS)})")
-        if hp.rope_type != RopeType.NORM:
-            raise ValueError(f"{self.path}: rope type {hp.rope_type.name}, expected NORM for arch llama")
+                             f"{', '.join(self.ARCHS)})")
+        if hp.rope_type != self.ROPE_TYPE:
+            raise ValueError(f"{self.path}: rope type {hp.rope_type.name}, expected {self.ROPE_TYPE.name} for "
+                             f"arch {hp.arch}")
         if hp.n_embd_head_k != hp.n_embd_head_v or hp.n_rot != hp.n_embd_head_k:
-            raise ValueError(f"{self.path}: llama needs n_embd_head_k == n_embd_head_v == n_rot, got "
+            raise ValueError(f"{self.path}: {hp.arch} needs n_embd_head_k == n_embd_head_v == n_rot, got "
                              f"{hp.n_embd_head_k}, {hp.n_embd_head_v}, {hp.n_rot}")
         self._dev_layer_hook = dev_layer
         self._dev_output_hook = dev_output
@@ -118,6 +122,10 @@ class Model:
             raise ValueError(f"{self.path}: the output has {self.n_vocab} rows but the vocabulary {hp.n_vocab} "
                              "tokens")
         hp.n_vocab = self.n_vocab
+
+    def extra_layer_tensors(self) -> tuple[str, ...]:
+        """Per-layer tensors beyond llama's that a subclass's architecture loads (``blk.{il}.NAME.weight``)."""
+        return ()
 
     # ------------------------------------------------------------------ the KVCache's model interface
 
@@ -194,7 +202,8 @@ class Model:
         hp = self.hparams
         by_name = reader.tensors
         need = ["token_embd.weight", "output_norm.weight"]
-        need += [f"blk.{il}.{n}.weight" for il in range(hp.n_layer) for n in _LAYER_TENSORS]
+        need += [f"blk.{il}.{n}.weight" for il in range(hp.n_layer)
+                 for n in _LAYER_TENSORS + self.extra_layer_tensors()]
         missing = [n for n in need if n not in by_name]
         if missing:
             raise ValueError(f"{self.path}: missing tensors {', '.join(missing[:6])}"

@@ -7,7 +7,8 @@ vocabulary (``<unk>``, ``<s>``, ``</s>``, then plain pieces ``t0``, ``t1``, ...)
 then that tokenizer's).  Norm weights stay F32; the matrices take any ggml type the CPU can store (F32, F16, BF16,
 Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ and TQ types, MXFP4), quantized by ggml's own ``ggml_quantize_chunk`` (an
 all-ones importance matrix for the types that need one); the embeddings and the output can take another type.
-Nothing is downloaded: every weight comes from a seeded numpy generator.
+Nothing is downloaded: every weight comes from a seeded numpy generator.  ``--arch gemma2|gemma3`` writes a
+Gemma model instead (:mod:`~kvcache_ggml.runtime.gemma_maker`, the same storage and vocabulary options).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from .. import _ggml as G
 
-__all__ = ["ModelSpec", "make_model", "main", "WEIGHT_TYPES"]
+__all__ = ["ModelSpec", "make_model", "main", "WEIGHT_TYPES", "check_spec"]
 
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_K", "q3_K", "q4_K", "q5_K",
                 "q6_K", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "iq4_nl", "iq4_xs",
@@ -48,31 +49,39 @@ class ModelSpec:
 
     def check(self) -> None:
         """ValueError naming the first value out of its range."""
-        for name in ("layers", "embd", "heads", "heads_kv", "ff", "ctx"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.vocab < 4:
-            raise ValueError(f"vocab must be >= 4 (3 special tokens and a piece), got {self.vocab}")
+        check_spec(self, ("layers", "embd", "heads", "heads_kv", "ff", "ctx"), ("embd", "ff"))
         if self.embd % self.heads:
             raise ValueError(f"embd {self.embd} must be a multiple of heads {self.heads}")
-        if self.heads % self.heads_kv:
-            raise ValueError(f"heads {self.heads} must be a multiple of heads_kv {self.heads_kv}")
         if (self.embd // self.heads) % 2:
             raise ValueError(f"the head size embd/heads = {self.embd // self.heads} must be even (RoPE pairs)")
-        for key in ("type", "embd_type"):
-            t = getattr(self, key)
-            if key == "embd_type" and not t:
-                continue
-            if t not in WEIGHT_TYPES:
-                raise ValueError(f"{key} {t!r} is not one of {', '.join(WEIGHT_TYPES)}")
-            block = G.blck_size(t)
-            for name in ("embd", "ff") if key == "type" else ("embd",):
-                if getattr(self, name) % block:
-                    raise ValueError(f"{t} needs {name} to be a multiple of {block}, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
         return self.embd // self.heads
+
+
+def check_spec(spec, positive: tuple[str, ...], matrix_widths: tuple[str, ...]) -> None:
+    """The checks every model spec shares (ValueError naming the first value out of its range): the fields
+    ``positive`` >= 1, a vocabulary of at least 4, heads a multiple of heads_kv, and ``spec.type`` and
+    ``spec.embd_type`` WEIGHT_TYPES whose block divides the widths (ggml ne0) of the matrices they store: the
+    fields ``matrix_widths`` for ``type``, ``embd`` for ``embd_type``."""
+    for name in positive:
+        if getattr(spec, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(spec, name)}")
+    if spec.vocab < 4:
+        raise ValueError(f"vocab must be >= 4 (3 special tokens and a piece), got {spec.vocab}")
+    if spec.heads % spec.heads_kv:
+        raise ValueError(f"heads {spec.heads} must be a multiple of heads_kv {spec.heads_kv}")
+    for key in ("type", "embd_type"):
+        t = getattr(spec, key)
+        if key == "embd_type" and not t:
+            continue
+        if t not in WEIGHT_TYPES:
+            raise ValueError(f"{key} {t!r} is not one of {', '.join(WEIGHT_TYPES)}")
+        block = G.blck_size(t)
+        for name in matrix_widths if key == "type" else ("embd",):
+            if getattr(spec, name) % block:
+                raise ValueError(f"{t} needs {name} to be a multiple of {block}, got {getattr(spec, name)}")
 
 
 def _file_type(gguf, wtype: str) -> int:
@@ -111,15 +120,39 @@ def _copy_tokenizer(writer, gguf, path: str) -> int:
     return n_vocab
 
 
+def _checked_spec(cls: type, spec, kwargs: dict):
+    """``spec``, or a ``cls`` from keyword arguments (not both), after its check()."""
+    if spec is None:
+        spec = cls(**kwargs)
+    elif kwargs:
+        raise TypeError(f"pass either spec or keyword arguments, not both: {sorted(kwargs)}")
+    spec.check()
+    return spec
+
+
+def _add_common_keys(writer, gguf, spec, arch: str) -> int:
+    """The keys every architecture the maker writes has: name, shape, norm epsilon, RoPE base, file type, vocab
+    (``spec``: a ModelSpec or anything with its fields); returns the vocabulary size."""
+    writer.add_name(f"kvcache-ggml-tiny-{arch}")
+    writer.add_context_length(spec.ctx)
+    writer.add_embedding_length(spec.embd)
+    writer.add_block_count(spec.layers)
+    writer.add_feed_forward_length(spec.ff)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.heads_kv)
+    writer.add_layer_norm_rms_eps(spec.rms_eps)
+    writer.add_rope_freq_base(spec.rope_freq_base)
+    writer.add_file_type(_file_type(gguf, spec.type))
+    if spec.vocab_from:
+        return _copy_tokenizer(writer, gguf, spec.vocab_from)
+    return _add_spm_vocab(writer, gguf, spec.vocab)
+
+
 def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Path:
     """Write the model described by ``spec`` (or by keyword arguments of :class:`ModelSpec`) to ``path``."""
     import gguf
 
-    if spec is None:
-        spec = ModelSpec(**kwargs)
-    elif kwargs:
-        raise TypeError(f"pass either spec or keyword arguments, not both: {sorted(kwargs)}")
-    spec.check()
+    spec = _checked_spec(ModelSpec, spec, kwargs)
     path = Path(path)
     rng = np.random.default_rng(spec.seed)
 
@@ -132,19 +165,8 @@ def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Pat
 
     writer = gguf.GGUFWriter(str(path), "llama")
     try:
-        writer.add_name("kvcache-ggml-tiny-llama")
-        writer.add_context_length(spec.ctx)
-        writer.add_embedding_length(spec.embd)
-        writer.add_block_count(spec.layers)
-        writer.add_feed_forward_length(spec.ff)
-        writer.add_head_count(spec.heads)
-        writer.add_head_count_kv(spec.heads_kv)
+        n_vocab = _add_common_keys(writer, gguf, spec, "llama")
         writer.add_rope_dimension_count(spec.head_dim)
-        writer.add_layer_norm_rms_eps(spec.rms_eps)
-        writer.add_rope_freq_base(spec.rope_freq_base)
-        writer.add_file_type(_file_type(gguf, spec.type))
-        n_vocab = _copy_tokenizer(writer, gguf, spec.vocab_from) if spec.vocab_from else _add_spm_vocab(
-            writer, gguf, spec.vocab)
         etype = spec.embd_type or spec.type
 
         n_kv = spec.head_dim * spec.heads_kv
@@ -188,7 +210,7 @@ def _add_spm_vocab(writer, gguf, n_vocab: int) -> int:
 def main(argv: list[str]) -> int:
     d = ModelSpec()
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml make-model",
-                                 description="Write a random-weight llama GGUF that llama.cpp also loads.")
+                                 description="Write a random-weight llama (or Gemma) GGUF that llama.cpp also loads.")
     ap.add_argument("out", help="output .gguf path")
     ap.add_argument("--layers", type=int, default=d.layers, help="transformer blocks (default %(default)s)")
     ap.add_argument("--embd", type=int, default=d.embd, help="embedding width (default %(default)s)")
@@ -203,12 +225,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--vocab-from", default="", metavar="GGUF",
                     help="copy the tokenizer of this GGUF (e.g. llama.cpp's ggml-vocab-gpt-2.gguf); --vocab is ignored")
     ap.add_argument("--tied", action="store_true", help="no output.weight: the head reuses token_embd")
+    ap.add_argument("--arch", choices=("llama", "gemma2", "gemma3"), default="llama",
+                    help="architecture (default %(default)s); gemma: head size embd/heads, every other layer slides")
+    ap.add_argument("--n-swa", type=int, default=16, help="gemma: sliding window (default %(default)s)")
     a = ap.parse_args(argv)
     spec = ModelSpec(layers=a.layers, embd=a.embd, heads=a.heads, heads_kv=a.heads_kv, ff=a.ff, vocab=a.vocab,
                      seed=a.seed, ctx=a.ctx, type=a.type, tied=a.tied, embd_type=a.embd_type or "",
                      vocab_from=a.vocab_from)
     try:
-        out = make_model(a.out, spec)
+        if a.arch != "llama":
+            from .gemma_maker import GemmaSpec, make_gemma_model
+            out = make_gemma_model(a.out, GemmaSpec(
+                arch=a.arch, layers=a.layers, embd=a.embd, heads=a.heads, heads_kv=a.heads_kv,
+                head_dim=spec.head_dim, ff=a.ff, vocab=a.vocab, seed=a.seed, ctx=a.ctx, type=a.type, n_swa=a.n_swa,
+                tied=a.tied or a.arch == "gemma2", embd_type=spec.embd_type, vocab_from=spec.vocab_from))
+        else:
+            out = make_model(a.out, spec)
     except ValueError as e:
         ap.error(str(e))
     print(out)

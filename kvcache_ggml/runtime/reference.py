@@ -154,14 +154,8 @@ class ReferenceCache:
         ref = self.ref
         hp = ref.hparams
         w = ref.w
-        tok = np.asarray(tokens, np.int64)
+        tok, p = new_tokens(ref.n_vocab, self.pos, tokens, pos)
         n = tok.shape[0]
-        start = int(self.pos.max()) + 1 if len(self) else 0
-        p = np.arange(start, start + n) if pos is None else np.asarray(pos, np.int64)
-        if p.shape != (n,):
-            raise ValueError(f"pos has shape {p.shape}, expected [{n}]")
-        if n == 0 or tok.min() < 0 or tok.max() >= ref.n_vocab:
-            raise ValueError(f"tokens must be a non-empty list of ids in [0, {ref.n_vocab})")
         d = hp.n_embd_head_k
         all_pos = np.concatenate([self.pos, p])
         visible = all_pos[None, :] <= p[:, None]                   # [query, key]
@@ -188,6 +182,20 @@ class ReferenceCache:
             x = x + (g / (1.0 + np.exp(-g)) * u) @ w[b + "ffn_down.weight"].T
         self.pos = all_pos
         return ref._rms(x, w["output_norm.weight"]) @ ref.output.T
+
+
+def new_tokens(n_vocab: int, cached: np.ndarray, tokens: Sequence[int] | np.ndarray,
+               pos: Sequence[int] | np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """int64 token ids and positions of a decode, checked; positions default to after the ``cached`` ones."""
+    tok = np.asarray(tokens, np.int64)
+    n = tok.shape[0]
+    start = int(cached.max()) + 1 if cached.size else 0
+    p = np.arange(start, start + n) if pos is None else np.asarray(pos, np.int64)
+    if p.shape != (n,):
+        raise ValueError(f"pos has shape {p.shape}, expected [{n}]")
+    if n == 0 or tok.min() < 0 or tok.max() >= n_vocab:
+        raise ValueError(f"tokens must be a non-empty list of ids in [0, {n_vocab})")
+    return tok, p
 
 
 def _in_range(pos: np.ndarray, p0: int, p1: int) -> np.ndarray:
