@@ -256,13 +256,18 @@ class Sched(_Owner):
     _kind = "ggml backend scheduler"
 
     def __init__(self, backends: list[Backend], graph_size: int = GGML_DEFAULT_GRAPH_SIZE, parallel: bool = False,
-                 op_offload: bool = False) -> None:
+                 op_offload: bool = False, bufts: list[int] | None = None) -> None:
+        """``bufts``: the buffer type of each backend's graph memory (None: each backend's default)."""
         if not backends:
             raise ValueError("Sched needs at least one backend")
         if not backends[-1].is_cpu:
             raise ValueError(f"the last backend of a Sched must be the CPU backend, got {backends[-1].name}")
-        arr = (ctypes.c_void_p * len(backends))(*(b.ptr for b in backends))
-        super().__init__(_F["ggml_backend_sched_new"](arr, None, len(backends), graph_size, parallel, op_offload))
+        n = len(backends)
+        if bufts is not None and len(bufts) != n:
+            raise ValueError(f"{len(bufts)} buffer types for {n} backends")
+        arr = (ctypes.c_void_p * n)(*(b.ptr for b in backends))
+        barr = None if bufts is None else (ctypes.c_void_p * n)(*bufts)
+        super().__init__(_F["ggml_backend_sched_new"](arr, barr, n, graph_size, parallel, op_offload))
         self.backends = list(backends)  # the scheduler uses them until it is freed
         self._eval_cb = None            # the C callback object while one is set (ggml keeps only its address)
 

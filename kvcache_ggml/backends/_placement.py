@@ -3,7 +3,6 @@ assignment (:func:`assign_layers`), :class:`Placement`, :class:`PlacedModel`, an
 per used device, the CPU backend and a scheduler over them)."""
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -273,24 +272,6 @@ def _free_memory(dev: DeviceRef, cpu: DeviceRef) -> float:
 
 # ============================================================================================== backends + sched
 
-class _Sched(G.Sched):
-    """G.Sched created with explicit buffer types per backend (ggml_backend_sched_new's ``bufts``)."""
-
-    __slots__ = ()
-
-    def __init__(self, backends: list[G.Backend], bufts: list[int], graph_size: int, parallel: bool,
-                 op_offload: bool) -> None:
-        if not backends or not backends[-1].is_cpu:
-            raise ValueError("a scheduler needs backends with the CPU backend last")
-        if len(bufts) != len(backends):
-            raise ValueError(f"{len(bufts)} buffer types for {len(backends)} backends")
-        n = len(backends)
-        arr = (ctypes.c_void_p * n)(*(b.ptr for b in backends))
-        barr = (ctypes.c_void_p * n)(*bufts)
-        super(G.Sched, self).__init__(G.ggml_backend_sched_new(arr, barr, n, graph_size, parallel, op_offload))
-        self.backends = list(backends)
-
-
 class Backends:
     """Owner of one ggml backend per device (in order), the CPU backend (last) and a scheduler over them.
 
@@ -318,7 +299,7 @@ class Backends:
             self.cpu = G.Backend.cpu(n_threads)            # the CPU backend (also in self.backends, last)
             self.backends.append(self.cpu)
             bufts = [b.default_buffer_type for b in self.backends[:-1]] + [self.host_buft]
-            self.sched = _Sched(self.backends, bufts, self.graph_size, False, op_offload)
+            self.sched = G.Sched(self.backends, self.graph_size, False, op_offload, bufts=bufts)
         except BaseException:
             self.close()
             raise
