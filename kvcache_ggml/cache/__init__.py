@@ -23,7 +23,7 @@ can be imported without ggml.
 """
 from __future__ import annotations
 
-from importlib import import_module
+from .._lazy import lazy_exports
 
 # public name -> module defining it, imported on first access
 _LAZY = {
@@ -41,15 +41,4 @@ _LAZY = {
 
 __all__ = list(_LAZY)
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvcache_ggml.cache' has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-from importlib import import_module
+from .._lazy import lazy_exports
 
 _LAZY = {
     "Model": ".model",
@@ -32,11 +32,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvcache_ggml.runtime' has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
