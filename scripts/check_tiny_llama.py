@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvcache_ggml.batch import Batch  # noqa: E402
-from kvcache_ggml.runtime import Context, Model, Reference, RuntimeParams, Vocab  # noqa: E402
-from kvcache_ggml.runtime.llama_runner import b64_floats, llama_available, run_llama  # noqa: E402
+from kvcache_ggml.batch import Batch
+from kvcache_ggml.runtime import Context, Model, Reference, RuntimeParams, Vocab
+from kvcache_ggml.runtime.llama_runner import b64_floats, llama_available, run_llama
 
 PROMPTS = ("Return the number of", "This module provides", "If the file does not exist,", "The default value")
 
