@@ -7,8 +7,10 @@ vocabulary (``<unk>``, ``<s>``, ``</s>``, then plain pieces ``t0``, ``t1``, ...)
 then that tokenizer's).  Norm weights stay F32; the matrices take any ggml type the CPU can store (F32, F16, BF16,
 Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ and TQ types, MXFP4), quantized by ggml's own ``ggml_quantize_chunk`` (an
 all-ones importance matrix for the types that need one); the embeddings and the output can take another type.
-Nothing is downloaded: every weight comes from a seeded numpy generator.  ``--arch gemma2|gemma3`` writes a
-Gemma model instead (:mod:`~kvcache_ggml.runtime.gemma_maker`, the same storage and vocabulary options).
+Nothing is downloaded: every weight comes from a seeded numpy generator, or, for a trained llama, from the arrays
+given (``weights=`` / ``--weights NPZ``: GGUF tensor names -> numpy [rows, cols], each checked against the spec;
+``scripts/train_tiny_llama.py`` writes such a file).  ``--arch gemma2|gemma3`` writes a Gemma model instead
+(:mod:`~kvcache_ggml.runtime.gemma_maker`, the same storage and vocabulary options).
 """
 from __future__ import annotations
 
