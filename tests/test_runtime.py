@@ -321,6 +321,67 @@ def test_make_model_cli(tmp_path, capsys):
         assert (hp.n_layer, hp.n_embd, hp.n_head(0), hp.n_head_kv(0), m.n_vocab) == (1, 32, 2, 1, 40)
 
 
+def explicit_weights(spec: ModelSpec, n_vocab: int, seed: int = 7) -> dict[str, np.ndarray]:
+    """Every tensor of a llama spec, from a generator independent of the maker's own."""
+    rng = np.random.default_rng(seed)
+    e, kv, ff = spec.embd, spec.embd // spec.heads * spec.heads_kv, spec.ff
+    shapes = {"token_embd.weight": (n_vocab, e), "output_norm.weight": (e,)}
+    for il in range(spec.layers):
+        shapes.update({f"blk.{il}.{k}": v for k, v in (
+            ("attn_norm.weight", (e,)), ("attn_q.weight", (e, e)), ("attn_k.weight", (kv, e)),
+            ("attn_v.weight", (kv, e)), ("attn_output.weight", (e, e)), ("ffn_norm.weight", (e,)),
+            ("ffn_gate.weight", (ff, e)), ("ffn_up.weight", (ff, e)), ("ffn_down.weight", (e, ff)))})
+    return {k: (rng.standard_normal(v) * 0.3).astype(np.float32) for k, v in shapes.items()}
+
+
+def test_make_model_explicit_weights(tmp_path):
+    """weights=: the file holds exactly the given arrays under their names (tied head: no output.weight), and the
+    runtime computes what the numpy reference computes from them."""
+    spec = ModelSpec(layers=2, embd=32, heads=4, heads_kv=2, ff=64, vocab=VOCAB, tied=True)
+    w = explicit_weights(spec, VOCAB)
+    path = make_model(tmp_path / "given.gguf", spec, weights=w)
+    ref = Reference(path)
+    assert sorted(ref.w) == sorted(w)
+    for name, arr in w.items():
+        np.testing.assert_array_equal(ref.w[name], arr, err_msg=name)
+    toks = tokens(12, seed=3)
+    with Model(path) as m, ctx_of(m) as ctx:
+        got = ctx.decode(Batch(token=toks, pos=np.arange(12, dtype=np.int32), logits=np.ones(12, np.int8)))
+    assert rel_err(got, ref.forward(toks)) < TOL
+
+
+def test_make_model_explicit_weights_errors(tmp_path):
+    spec = ModelSpec(layers=1, embd=32, heads=4, heads_kv=2, ff=64, vocab=VOCAB)
+    w = explicit_weights(spec, VOCAB)
+    with pytest.raises(ValueError, match="output.weight is missing"):
+        make_model(tmp_path / "x.gguf", spec, weights=w)
+    w["output.weight"] = w["token_embd.weight"]
+    make_model(tmp_path / "x.gguf", spec, weights=w)
+    for name, bad, msg in (("blk.0.ffn_up.weight", np.zeros((64, 31), np.float32), r"has shape \(64, 31\)"),
+                           ("blk.0.attn_norm.weight", np.full(32, np.nan, np.float32), "non-finite"),
+                           ("blk.1.attn_q.weight", np.zeros((32, 32), np.float32), "does not have")):
+        with pytest.raises(ValueError, match=msg):
+            make_model(tmp_path / "x.gguf", spec, weights={**w, name: bad})
+
+
+def test_make_model_cli_weights(tmp_path, capsys):
+    """make-model --weights NPZ: layers, embd, ff, vocab and the tied head follow the arrays; Q8_0 storage."""
+    spec = ModelSpec(layers=3, embd=64, heads=2, heads_kv=2, ff=96, vocab=50, tied=True)
+    w = explicit_weights(spec, 50)
+    np.savez(tmp_path / "w.npz", **w)
+    out = tmp_path / "cli.gguf"
+    assert make_model_main([str(out), "--weights", str(tmp_path / "w.npz"), "--heads", "2", "--heads-kv", "2",
+                            "--type", "q8_0"]) == 0
+    with Model(out) as m:
+        hp = m.hparams
+        assert (hp.n_layer, hp.n_embd, m.n_vocab) == (3, 64, 50)
+    ref = Reference(out)
+    assert "output.weight" not in ref.w and ref.w["blk.0.ffn_up.weight"].shape == (96, 64)
+    q = ref.w["blk.2.ffn_down.weight"]  # Q8_0: within half a step (amax/127, an f16 scale) of each block of 32
+    step = np.abs(w["blk.2.ffn_down.weight"]).reshape(64, -1, 32).max(-1, keepdims=True) / 127
+    assert (np.abs(q - w["blk.2.ffn_down.weight"]).reshape(64, -1, 32) <= step * 0.6).all()
+
+
 def test_demo_default_run(capsys):
     """`python -m kvcache_ggml demo`: fork, context shift, numpy check, save/restore -- all OK."""
     from kvcache_ggml.demo import main as demo_main

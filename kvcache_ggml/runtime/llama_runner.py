@@ -13,7 +13,8 @@ n_threads, swa_full}, "ops": [...]}`` with ops ``{"op": "decode", "tokens", "pos
 (answer: ``ret`` and ``logits`` base64 float32 rows of the output tokens, batch order), ``seq_rm/seq_cp/seq_keep/
 seq_add/seq_div`` (``args``), ``pos_min/pos_max`` (``seq``), ``clear``, ``state_seq_get`` (``seq``; answer ``blob``
 base64), ``state_seq_set`` (``seq``, ``blob``), ``bench`` (``prompt``, ``n_gen``, ``n_par``, ``reps``; answer
-seconds).  With ``"trace": true`` in params every decode answer also has ``nodes``: ``[name, ggml type,
+seconds), ``generate`` (``prompt`` ids, ``n_predict``: llama.cpp's greedy sampler in sequence 0; answer ``tokens``,
+``text`` base64 of llama_detokenize, ``logits`` base64 float32 rows the tokens were sampled from).  With ``"trace": true`` in params every decode answer also has ``nodes``: ``[name, ggml type,
 base64 data]`` of each named, contiguous, non-view node in compute order, from llama.cpp's ``cb_eval`` (compare
 with :class:`~kvcache_ggml.runtime.trace.NodeTrace`).
 """
@@ -159,6 +160,8 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
             _memory_op(L, ctx, mem, op, ans)
         elif kind == "bench":
             ans.update(_bench(L, ctx, mem, decode, op, n_vocab))
+        elif kind == "generate":
+            ans.update(_generate(L, model, ctx, decode, op))
         else:
             ans["error"] = f"unknown op {kind!r}"
         print(json.dumps(ans), flush=True)
@@ -257,6 +260,34 @@ def _vocab_main(L, spec) -> int:  # pragma: no cover - oracle side
         print(json.dumps(ans), flush=True)
     L.llama_model_free(model)
     return 0
+
+
+def _generate(L, model, ctx, decode, op):  # pragma: no cover - oracle side
+    """Greedy generation as llama.cpp's own sampler does it: decode ``prompt`` at positions 0.. of sequence 0, then
+    sample with ``llama_sampler_init_greedy`` from the last logits and decode that token, until ``n_predict`` tokens
+    or an end-of-generation token."""
+    import ctypes
+    vocab = L.llama_model_get_vocab(model)
+    prompt = list(op["prompt"])
+    smpl = L.llama_sampler_init_greedy()
+    out: list[int] = []
+    rows = []
+    try:
+        ret, arr = decode(prompt, list(range(len(prompt))), [[0]] * len(prompt), [0] * (len(prompt) - 1) + [1])
+        while ret == 0:
+            rows.append(arr[-1].tobytes())
+            tok = L.llama_sampler_sample(smpl, ctx, -1)
+            out.append(tok)
+            if L.llama_vocab_is_eog(vocab, tok) or len(out) >= op["n_predict"]:
+                break
+            ret, arr = decode([tok], [len(prompt) + len(out) - 1], [[0]], [1])
+    finally:
+        L.llama_sampler_free(smpl)
+    arr_t = (L.llama_token * max(len(out), 1))(*out)
+    buf = ctypes.create_string_buffer(16 * len(out) + 16)
+    n = L.llama_detokenize(vocab, arr_t, len(out), buf, len(buf), False, False)
+    return {"ret": ret, "tokens": out, "text": base64.b64encode(buf.raw[:max(n, 0)]).decode(),
+            "logits": base64.b64encode(b"".join(rows)).decode()}
 
 
 def _bench(L, ctx, mem, decode, op, n_vocab):  # pragma: no cover - oracle side

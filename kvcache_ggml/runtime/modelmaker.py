@@ -7,8 +7,10 @@ vocabulary (``<unk>``, ``<s>``, ``</s>``, then plain pieces ``t0``, ``t1``, ...)
 then that tokenizer's).  Norm weights stay F32; the matrices take any ggml type the CPU can store (F32, F16, BF16,
 Q4_0 ... Q8_0, Q2_K ... Q6_K, the IQ and TQ types, MXFP4), quantized by ggml's own ``ggml_quantize_chunk`` (an
 all-ones importance matrix for the types that need one); the embeddings and the output can take another type.
-Nothing is downloaded: every weight comes from a seeded numpy generator.  ``--arch gemma2|gemma3`` writes a
-Gemma model instead (:mod:`~kvcache_ggml.runtime.gemma_maker`, the same storage and vocabulary options).
+Nothing is downloaded: every weight comes from a seeded numpy generator, or, for a trained llama, from the arrays
+given (``weights=`` / ``--weights NPZ``: GGUF tensor names -> numpy [rows, cols], each checked against the spec;
+``scripts/train_tiny_llama.py`` writes such a file).  ``--arch gemma2|gemma3`` writes a Gemma model instead
+(:mod:`~kvcache_ggml.runtime.gemma_maker`, the same storage and vocabulary options).
 """
 from __future__ import annotations
 
@@ -148,44 +150,81 @@ def _add_common_keys(writer, gguf, spec, arch: str) -> int:
     return _add_spm_vocab(writer, gguf, spec.vocab)
 
 
-def make_model(path: str | Path, spec: ModelSpec | None = None, **kwargs) -> Path:
-    """Write the model described by ``spec`` (or by keyword arguments of :class:`ModelSpec`) to ``path``."""
+def _tensor_plan(spec: ModelSpec, n_vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, numpy shape) of every tensor in file order: numpy [rows, cols] = ggml ne [cols, rows]; the norm
+    weights are [n_embd]."""
+    e, n_kv = spec.embd, spec.head_dim * spec.heads_kv
+    plan: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (n_vocab, e))]
+    for il in range(spec.layers):
+        b = f"blk.{il}."
+        plan += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (e, e)), (b + "attn_k.weight", (n_kv, e)),
+                 (b + "attn_v.weight", (n_kv, e)), (b + "attn_output.weight", (e, e)), (b + "ffn_norm.weight", (e,)),
+                 (b + "ffn_gate.weight", (spec.ff, e)), (b + "ffn_up.weight", (spec.ff, e)),
+                 (b + "ffn_down.weight", (e, spec.ff))]
+    plan.append(("output_norm.weight", (e,)))
+    if not spec.tied:
+        plan.append(("output.weight", (n_vocab, e)))
+    return plan
+
+
+def _random_weights(plan: list[tuple[str, tuple[int, ...]]], seed: int) -> list[np.ndarray]:
+    """Seeded weights in plan order: unit-variance embeddings (the first RMS norm sees O(1) values), matrices of
+    std 1.6/sqrt(fan_in) (activations stay O(1) through the blocks), norm weights 1 + 0.1 N(0, 1)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for name, shape in plan:
+        if len(shape) == 1:
+            out.append((1.0 + 0.1 * rng.standard_normal(shape[0])).astype(np.float32))
+        elif name == "token_embd.weight":
+            out.append(rng.standard_normal(shape))
+        else:
+            out.append(rng.standard_normal(shape) * (1.6 / math.sqrt(shape[1])))
+    return out
+
+
+def _given_weights(plan: list[tuple[str, tuple[int, ...]]], weights) -> list[np.ndarray]:
+    """The arrays of ``weights`` (name -> array) in plan order; ValueError naming a missing, extra, misshapen or
+    non-finite tensor."""
+    extra = sorted(set(weights) - {name for name, _ in plan})
+    if extra:
+        raise ValueError(f"weights: {len(extra)} tensor(s) the model does not have, e.g. {extra[0]!r}")
+    out = []
+    for name, shape in plan:
+        if name not in weights:
+            raise ValueError(f"weights: {name} is missing")
+        w = np.asarray(weights[name])
+        if w.shape != shape:
+            raise ValueError(f"weights: {name} has shape {w.shape}, the model needs {shape} "
+                             "(numpy [rows, cols] = ggml ne [cols, rows])")
+        if not np.isfinite(w).all():
+            raise ValueError(f"weights: {name} has non-finite values")
+        out.append(w.astype(np.float32))
+    return out
+
+
+def make_model(path: str | Path, spec: ModelSpec | None = None, *, weights=None, **kwargs) -> Path:
+    """Write the model described by ``spec`` (or by keyword arguments of :class:`ModelSpec`) to ``path``.
+
+    ``weights``: None for seeded random weights, or a mapping GGUF tensor name -> float array (numpy [rows, cols]
+    = ggml ne [cols, rows], e.g. ``np.load(npz)``) holding exactly the tensors of the spec, each of its shape (a
+    trained model: ``scripts/train_tiny_llama.py``); they are stored as ``spec.type`` / ``embd_type`` all the same.
+    """
     import gguf
 
     spec = _checked_spec(ModelSpec, spec, kwargs)
     path = Path(path)
-    rng = np.random.default_rng(spec.seed)
-
-    def normal(rows: int, cols: int, fan_in: int) -> np.ndarray:
-        # numpy [rows, cols]; std 1.6/sqrt(fan_in) keeps activations O(1) through the blocks
-        return rng.standard_normal((rows, cols)) * (1.6 / math.sqrt(fan_in))
-
-    def norm_weight() -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(spec.embd)).astype(np.float32)  # [n_embd]
-
     writer = gguf.GGUFWriter(str(path), "llama")
     try:
         n_vocab = _add_common_keys(writer, gguf, spec, "llama")
         writer.add_rope_dimension_count(spec.head_dim)
-        etype = spec.embd_type or spec.type
-
-        n_kv = spec.head_dim * spec.heads_kv
-        # unit-variance embeddings: the first RMS norm sees O(1) values
-        _add_matrix(writer, gguf, "token_embd.weight", rng.standard_normal((n_vocab, spec.embd)), etype)
-        for il in range(spec.layers):
-            b = f"blk.{il}."
-            writer.add_tensor(b + "attn_norm.weight", norm_weight())
-            _add_matrix(writer, gguf, b + "attn_q.weight", normal(spec.embd, spec.embd, spec.embd), spec.type)
-            _add_matrix(writer, gguf, b + "attn_k.weight", normal(n_kv, spec.embd, spec.embd), spec.type)
-            _add_matrix(writer, gguf, b + "attn_v.weight", normal(n_kv, spec.embd, spec.embd), spec.type)
-            _add_matrix(writer, gguf, b + "attn_output.weight", normal(spec.embd, spec.embd, spec.embd), spec.type)
-            writer.add_tensor(b + "ffn_norm.weight", norm_weight())
-            _add_matrix(writer, gguf, b + "ffn_gate.weight", normal(spec.ff, spec.embd, spec.embd), spec.type)
-            _add_matrix(writer, gguf, b + "ffn_up.weight", normal(spec.ff, spec.embd, spec.embd), spec.type)
-            _add_matrix(writer, gguf, b + "ffn_down.weight", normal(spec.embd, spec.ff, spec.ff), spec.type)
-        writer.add_tensor("output_norm.weight", norm_weight())
-        if not spec.tied:
-            _add_matrix(writer, gguf, "output.weight", normal(n_vocab, spec.embd, spec.embd), etype)
+        plan = _tensor_plan(spec, n_vocab)
+        arrays = _random_weights(plan, spec.seed) if weights is None else _given_weights(plan, weights)
+        for (name, _), w in zip(plan, arrays):
+            if w.ndim == 1:
+                writer.add_tensor(name, w.astype(np.float32))
+            else:
+                wtype = (spec.embd_type or spec.type) if name in ("token_embd.weight", "output.weight") else spec.type
+                _add_matrix(writer, gguf, name, w, wtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -225,10 +264,22 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--vocab-from", default="", metavar="GGUF",
                     help="copy the tokenizer of this GGUF (e.g. llama.cpp's ggml-vocab-gpt-2.gguf); --vocab is ignored")
     ap.add_argument("--tied", action="store_true", help="no output.weight: the head reuses token_embd")
+    ap.add_argument("--weights", type=Path, metavar="NPZ",
+                    help="llama: take the weights from this .npz (GGUF tensor names -> numpy [rows, cols] arrays) "
+                         "instead of random ones; --layers, --embd, --ff, --vocab and --tied follow its shapes")
     ap.add_argument("--arch", choices=("llama", "gemma2", "gemma3"), default="llama",
                     help="architecture (default %(default)s); gemma: head size embd/heads, every other layer slides")
     ap.add_argument("--n-swa", type=int, default=16, help="gemma: sliding window (default %(default)s)")
     a = ap.parse_args(argv)
+    weights = None
+    if a.weights is not None:
+        if a.arch != "llama":
+            ap.error("--weights: llama only")
+        weights = dict(np.load(a.weights))
+        try:
+            _shape_from_weights(a, weights)
+        except (KeyError, IndexError) as e:
+            ap.error(f"--weights {a.weights}: no llama tensors ({e})")
     spec = ModelSpec(layers=a.layers, embd=a.embd, heads=a.heads, heads_kv=a.heads_kv, ff=a.ff, vocab=a.vocab,
                      seed=a.seed, ctx=a.ctx, type=a.type, tied=a.tied, embd_type=a.embd_type or "",
                      vocab_from=a.vocab_from)
@@ -240,8 +291,16 @@ def main(argv: list[str]) -> int:
                 head_dim=spec.head_dim, ff=a.ff, vocab=a.vocab, seed=a.seed, ctx=a.ctx, type=a.type, n_swa=a.n_swa,
                 tied=a.tied or a.arch == "gemma2", embd_type=spec.embd_type, vocab_from=spec.vocab_from))
         else:
-            out = make_model(a.out, spec)
+            out = make_model(a.out, spec, weights=weights)
     except ValueError as e:
         ap.error(str(e))
     print(out)
     return 0
+
+
+def _shape_from_weights(a: argparse.Namespace, weights: dict) -> None:
+    """Set a's layers, embd, ff, vocab and tied from the shapes of explicit weights (heads stay as given)."""
+    a.vocab, a.embd = weights["token_embd.weight"].shape
+    a.layers = sum(1 for k in weights if k.startswith("blk.") and k.endswith(".attn_q.weight"))
+    a.ff = weights["blk.0.ffn_up.weight"].shape[0]
+    a.tied = a.tied or "output.weight" not in weights
