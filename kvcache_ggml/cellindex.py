@@ -1,8 +1,11 @@
-"""The two derived indices of a stream's cells (no ggml): the used range and the per-sequence position multisets.
+"""The derived indices of a stream's cells (no ggml): the used range, the per-sequence position multisets, and the
+log of changed cells.
 
 :class:`UsedRange` is llama.cpp's ``used`` set reduced to what the cache asks of it: how many cells are used and
 the first and last of them.  :class:`PosMultiset` is llama.cpp's per-sequence ``std::map<llama_pos, int>``.
-:class:`~kvcache_ggml.cells.KVCells` keeps both in sync with its arrays.
+:class:`ChangeLog` (beyond llama.cpp) lists the cells whose sequence set changed, so that what is derived from the
+sequence bits (the kq mask rows of :mod:`kvcache_ggml.cache.mask_rows`) can be patched instead of rebuilt.
+:class:`~kvcache_ggml.cells.KVCells` keeps all three in sync with its arrays.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from bisect import bisect_left
 
 import numpy as np
 
-__all__ = ["PosMultiset", "UsedRange", "sorted_counts"]
+__all__ = ["ChangeLog", "PosMultiset", "UsedRange", "sorted_counts"]
 
 
 class PosMultiset:
@@ -178,10 +181,38 @@ class UsedRange:
             self.lo, self.hi = lo, hi
             self.lo_dirty = self.hi_dirty = False
         else:
-            # exact bounds stay exact; stale (dirty) bounds stay an enclosure of every used cell
-            self.lo = min(self.lo, lo)
-            self.hi = max(self.hi, hi)
+            # exact bounds stay exact; stale (dirty) bounds stay an enclosure of every used cell, and become exact
+            # again when a new cell reaches them (no used cell lies beyond it)
+            if lo <= self.lo:
+                self.lo, self.lo_dirty = lo, False
+            if hi >= self.hi:
+                self.hi, self.hi_dirty = hi, False
         self.n += idxs.size
+
+    def insert_one(self, i: int) -> None:
+        """The (previously empty) cell ``i`` became used."""
+        if self.n == 0:
+            self.lo, self.hi = i, i + 1
+            self.lo_dirty = self.hi_dirty = False
+        else:
+            # a bound the new cell reaches is exact again: no used cell lies beyond it
+            if i <= self.lo:
+                self.lo, self.lo_dirty = i, False
+            if i + 1 >= self.hi:
+                self.hi, self.hi_dirty = i + 1, False
+        self.n += 1
+
+    def erase_one(self, i: int) -> None:
+        """The (previously used) cell ``i`` became empty."""
+        self.n -= 1
+        assert self.n >= 0
+        if self.n == 0:
+            self.reset()
+            return
+        if i <= self.lo:
+            self.lo_dirty = True
+        if i + 1 >= self.hi:
+            self.hi_dirty = True
 
     def erase(self, idxs: np.ndarray) -> None:
         """The (previously used) cells ``idxs`` became empty."""
@@ -224,3 +255,51 @@ class UsedRange:
             lo, step = up, step * 4
         self.lo, self.lo_dirty = lo, False
         return lo
+
+
+class ChangeLog:
+    """The cells whose sequence set changed (a sequence joined or left them, or they were emptied), in order.
+
+    A reader keeps ``mark()`` -- (epoch, entries seen) -- next to what it derived from the cells and later asks
+    ``since(mark)`` for the entries logged after it: Python ints (one cell) or int64 arrays, cells possibly
+    repeated.  ``since`` returns None when the log was dropped in between -- by a wholesale change (a reset), or
+    because it grew past ``max_cells`` cells or ``max_entries`` entries, when patching would cost about a rebuild
+    -- and the reader then rebuilds.  Logging costs a list append; nothing is kept for readers that never come.
+    """
+
+    __slots__ = ("entries", "n_cells", "epoch", "max_cells", "max_entries")
+
+    def __init__(self, max_cells: int, max_entries: int = 512) -> None:
+        self.entries: list[int | np.ndarray] = []  # changed cells, one int or int64 array per change
+        self.n_cells = 0                            # cells in ``entries`` (with repeats)
+        self.epoch = 0                              # bumped when the entries are dropped
+        self.max_cells = max_cells                  # drop the entries beyond this many cells...
+        self.max_entries = max_entries              # ... or this many entries
+
+    def add(self, idxs: np.ndarray) -> None:
+        """The cells ``idxs`` (int64) changed."""
+        self.entries.append(idxs)
+        self.n_cells += idxs.size
+        if self.n_cells > self.max_cells or len(self.entries) > self.max_entries:
+            self.drop()
+
+    def add_one(self, i: int) -> None:
+        """Cell ``i`` changed."""
+        self.entries.append(i)
+        self.n_cells += 1
+        if self.n_cells > self.max_cells or len(self.entries) > self.max_entries:
+            self.drop()
+
+    def drop(self) -> None:
+        """Forget the entries: every reader's mark becomes stale (a wholesale change, or too many entries)."""
+        self.entries = []
+        self.n_cells = 0
+        self.epoch += 1
+
+    def mark(self) -> tuple[int, int]:
+        return self.epoch, len(self.entries)
+
+    def since(self, mark: tuple[int, int]) -> list[int | np.ndarray] | None:
+        """The entries logged after ``mark``, or None when they were dropped in between."""
+        epoch, k = mark
+        return self.entries[k:] if epoch == self.epoch else None

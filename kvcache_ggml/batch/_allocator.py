@@ -16,10 +16,11 @@ from typing import Protocol
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
+from ._decode import init_decode
 from ._input import Batch, _filled
-from ._split import BatchSplitter
-from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, UBatch, _atoi, _distinct, _present_seqs,
-                      _print_ubatch, _seq_pos_stats)
+from ._split import BatchSplitter, seq_groups
+from ._ubatch import (_NO_TOKENS, _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, UBatch, _atoi, _distinct,
+                      _present_seqs, _print_ubatch, _seq_pos_stats)
 
 logger = logging.getLogger("kvcache_ggml.batch")
 
@@ -48,13 +49,14 @@ class BatchAllocator(BatchSplitter):
             raise ValueError(f"n_pos_per_embd = {n_pos_per_embd}, expected >= 1")
         self.n_pos_per_embd = int(n_pos_per_embd)
         self._debug = _atoi(os.environ.get("LLAMA_BATCH_DEBUG"))
+        self.fast = True
         self._n_vocab = self._n_embd = self._n_seq_max = 0
         self._has_cpl = False
         self._token = self._embd = self._pos_all = self._pos0 = self._pos2d = None
         self._n_seq_id = self._seq2d = self._seq0 = self._output = None
         self._seqs = self._grp = None
         self._gid = self._gorder = self._gstart = self._gsize = self._gmask = self._gseq = self._seq2g = None
-        self._used = np.zeros(0, bool)
+        self._used = _NO_TOKENS
         self._hint = 0
         self._clear()
 
@@ -65,6 +67,8 @@ class BatchAllocator(BatchSplitter):
         """Validate ``batch`` and fill in its missing fields (llama_batch_allocr::init).
 
         Raises ValueError where llama.cpp returns false; the allocator then holds no batch and can be reused.
+        The decode step (n tokens of n distinct sequences) takes a fast path, :func:`._decode.init_decode`, with
+        the same result.
         """
         self._clear()
         if not isinstance(batch, Batch):
@@ -72,6 +76,9 @@ class BatchAllocator(BatchSplitter):
         n_seq_max = int(n_seq_max)
         n_vocab = int(n_vocab)
         n_embd = int(n_embd)
+        if self.fast and self._debug <= 0 and init_decode(self, batch, n_vocab, memory, n_embd, n_seq_max,
+                                                          output_all):
+            return
         seq2d, n_seq_id, has_cpl = self._validate(batch, n_vocab, n_embd, n_seq_max)
         seq0 = seq2d[:, 0]  # int32 [n] each token's first sequence id
         seqs, grp = self._sequences(batch, seq2d, seq0, has_cpl)
@@ -155,13 +162,9 @@ class BatchAllocator(BatchSplitter):
             return _present_seqs(seq2d[seq2d >= 0]).tolist(), None
         if seq2d.shape[0] == 1:
             return [seq2d.item(0)], None
-        per_seq = np.bincount(seq0)
-        useq = per_seq.nonzero()[0]
-        seqs = useq.tolist()
-        if len(seqs) == 1:
-            return seqs, None
-        gsize = per_seq[useq]
-        return seqs, (useq, seq0.argsort(kind="stable"), gsize.cumsum() - gsize, gsize)
+        grp = seq_groups(seq0)
+        seqs = grp[0].tolist()
+        return seqs, (grp if len(seqs) > 1 else None)
 
     # -- positions ----------------------------------------------------------------------------------------
 

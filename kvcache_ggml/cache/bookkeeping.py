@@ -10,6 +10,11 @@ Errors follow three tiers: ``assert`` for internal invariants, ``RuntimeError`` 
 reaches only through a broken caller, such as an ubatch whose layout does not fit the streams), ``ValueError`` for
 bad input (an out-of-range sequence id, a cache-sized batch that can never fit, a shift on an M-RoPE model).
 Every check runs before any change: a failed call leaves the cells exactly as they were.
+
+The decode step (one token per sequence) takes fast paths with the same results: ``prepare`` of one ubatch places
+nothing, ``apply_ubatch`` on empty cells places with scalar Python (``_place_free``), and ``seq_rm`` of a
+sequence's newest cell (the undo of a step) removes it without a search (``KVCells.seq_rm_last``).
+tests/test_decode_fast_path.py runs them next to the general paths on random traces.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ class KVBookkeeping:
         self.sc_info = StreamCopyInfo()                # whole-stream copies queued for the next update
         dbg = os.environ.get("LLAMA_KV_CACHE_DEBUG")
         self.debug = int(dbg) if dbg and dbg.lstrip("-").isdigit() else 0  # the seed's debug level
+        self.fast = True  # decode fast paths on (the equivalence tests turn them off to compare)
 
     # ================================================================== memory API
 
@@ -67,6 +73,12 @@ class KVBookkeeping:
         if seq_id >= 0:
             strm = self.stream_of[seq_id]
             cells = self.v_cells[strm]
+            if self.fast:  # the undo of a decode step: the sequence's newest cell is the last used one
+                i = cells.seq_rm_last(seq_id, p0, p1)
+                if i is not None:
+                    if i >= 0:
+                        self._lower_head_to(strm, i)
+                    return True
             idxs = cells.find(p0, p1, seq_id)
             emptied = cells.seq_rm_many(idxs, seq_id) if idxs.size else idxs
             self._lower_head(strm, emptied)
@@ -250,43 +262,52 @@ class KVBookkeeping:
                 success = False
                 break
             res.append(sinfo)
-            heads_old = list(self.v_heads)
             # without SWA every found cell is empty; with SWA a found cell may hold a masked token
             if k == last and (self.swa_type == SwaType.NONE or
                               all(not (self.v_cells[st].pos_array[idx] >= 0).any()
                                   for st, idx in zip(sinfo.strm, sinfo.idxs))):
                 # the last ubatch lands on empty cells only: placing it and rolling it back changes no cell
-                states.append((sinfo, heads_old, None))
+                if not states:  # it is the only one (the decode step): nothing was placed, only heads to restore
+                    self._restore_heads(sinfo, list(self.v_heads))
+                    return res
+                states.append((sinfo, list(self.v_heads), None))
                 break
+            heads_old = list(self.v_heads)
             saved = [self.v_cells[st]._snapshot(idx) for st, idx in zip(sinfo.strm, sinfo.idxs)]
             states.append((sinfo, heads_old, saved))
             self.apply_ubatch(sinfo, ub)
         for sinfo, heads_old, saved in reversed(states):
-            for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
-                if saved is not None:
+            if saved is not None:
+                for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
                     self.v_cells[st]._restore(idx, *saved[s])
-                self.v_heads[st] = heads_old[s]
+            self._restore_heads(sinfo, heads_old)
         return res if success else []
+
+    def _restore_heads(self, sinfo: SlotInfo, heads_old: list[int]) -> None:
+        """prepare's roll-back of the heads, as the seed does it: each stream of the slot gets the saved head of the
+        same *index* in the slot (a no-op when the slot's streams are 0, 1, ...)."""
+        for s, st in enumerate(sinfo.strm):
+            self.v_heads[st] = heads_old[s]
 
     def find_slot(self, ubatch: UBatch, cont: bool = False) -> SlotInfo:
         """Cells for the ubatch's tokens, per stream, from each stream's head; empty SlotInfo when none."""
         if self.debug > 0:
             self._debug_dump(ubatch)
         n_tokens = ubatch.n_tokens
-        n_seqs = 1
         if self.n_stream > 1:
             if n_tokens % ubatch.n_seqs_unq:
                 raise RuntimeError(f"ubatch of {n_tokens} tokens is not split evenly over {ubatch.n_seqs_unq} "
                                    "sequences (use split_equal with a multi-stream cache)")
-            n_seqs = ubatch.n_seqs_unq
-            n_tokens //= n_seqs
+            n_tokens //= ubatch.n_seqs_unq
+            seqs = ubatch.seq_id_unq.tolist()
+            # the first token of each stream's run: its sequence ids must be exactly that stream's sequence
+            firsts, counts = ubatch.seq_id[::n_tokens, 0].tolist(), ubatch.n_seq_id[::n_tokens].tolist()
+        else:
+            seqs = [ubatch.seq_id_unq.item(0)]
         res = SlotInfo()
-        for s in range(n_seqs):
-            seq_id = int(ubatch.seq_id_unq[s])
-            if self.n_stream > 1:
-                t = s * n_tokens
-                if ubatch.n_seq_id[t] != 1 or ubatch.seq_id[t, 0] != seq_id:
-                    raise RuntimeError(f"token {t} of the ubatch must belong to sequence {seq_id} alone")
+        for s, seq_id in enumerate(seqs):
+            if self.n_stream > 1 and (counts[s] != 1 or firsts[s] != seq_id):
+                raise RuntimeError(f"token {s * n_tokens} of the ubatch must belong to sequence {seq_id} alone")
             strm = self.stream_of[seq_id]
             cells = self.v_cells[strm]
             head_cur = self.v_heads[strm]
@@ -306,10 +327,12 @@ class KVBookkeeping:
 
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
         """Write the ubatch's positions and sequences into the slot's cells, then purge and move the heads."""
-        assert ubatch.n_tokens == sinfo.n_stream() * sinfo.size()
+        assert ubatch.n_tokens == len(sinfo.strm) * len(sinfo.idxs[0]), "the ubatch does not fill its slot"
+        is_2d = ubatch.is_pos_2d()
+        if self.fast and not is_2d and self._place_free(sinfo, ubatch):
+            return
         n = sinfo.size()
         seq_pos_max_rm: dict[int, int] = {}
-        is_2d = ubatch.is_pos_2d()
         nt = ubatch.n_tokens
         for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
             cells = self.v_cells[st]
@@ -338,6 +361,32 @@ class KVBookkeeping:
                 self.seq_rm(q, pmin, seq_pos_max_rm[q] + 1)
         for st, idx in zip(sinfo.strm, sinfo.idxs):
             self.v_heads[st] = int(idx[-1]) + 1
+
+    def _place_free(self, sinfo: SlotInfo, ubatch: UBatch) -> bool:
+        """apply_ubatch's fast path (no 2-D positions): when every cell of the slot is empty -- always without SWA
+        -- place the tokens (one cell per stream with scalar Python: the decode step) and move the heads, as the
+        general path would; False, with nothing done, when some cell is occupied (then the purge is needed)."""
+        v_cells = self.v_cells
+        if len(sinfo.idxs[0]) != 1:
+            if any(np.count_nonzero(v_cells[st].pos_array[idx] >= 0) for st, idx in zip(sinfo.strm, sinfo.idxs)):
+                return False
+            n = len(sinfo.idxs[0])
+            for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
+                v_cells[st].place(idx, ubatch.pos[s * n:(s + 1) * n], ubatch.seq_id[s * n:(s + 1) * n])
+                self.v_heads[st] = idx.item(-1) + 1
+            return True
+        cells = [idx.item(0) for idx in sinfo.idxs]
+        if any(v_cells[st].pos_array.item(i) >= 0 for st, i in zip(sinfo.strm, cells)):
+            return False
+        if ubatch.seq_id.shape[1] != 1:  # coupled sequences
+            for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
+                v_cells[st].place(idx, ubatch.pos[s:s + 1], ubatch.seq_id[s:s + 1])
+        else:
+            for st, i, p, q in zip(sinfo.strm, cells, ubatch.pos.tolist(), ubatch.seq_id.reshape(-1).tolist()):
+                v_cells[st].place_one(i, p, q)
+        for st, i in zip(sinfo.strm, cells):
+            self.v_heads[st] = i + 1
+        return True
 
     # ================================================================== restore (the state codec's placements)
 
@@ -418,9 +467,12 @@ class KVBookkeeping:
     def _lower_head(self, strm: int, emptied: np.ndarray) -> None:
         """If cells were freed below the head, start the next search at the first of them."""
         if emptied.size:
-            first = int(emptied[0])
-            if first < self.v_heads[strm]:
-                self.v_heads[strm] = first
+            self._lower_head_to(strm, int(emptied[0]))
+
+    def _lower_head_to(self, strm: int, first: int) -> None:
+        """Cells from ``first`` on were freed: start the next search there if it is below the head."""
+        if first < self.v_heads[strm]:
+            self.v_heads[strm] = first
 
     def _usable(self, cells: KVCells, lo: int, hi: int) -> np.ndarray:
         """bool [hi - lo]: cells that a new token may take -- empty, or one sequence's cell masked by the SWA."""

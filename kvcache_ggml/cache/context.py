@@ -65,7 +65,7 @@ class KVCacheContext:
         return self.i_cur < len(self.ubatches)
 
     def apply(self) -> bool:
-        if self.status.is_fail():
+        if self.status is not MemoryStatus.SUCCESS and self.status.is_fail():
             raise RuntimeError(f"apply() on a failed memory context ({self.status.name})")
         kv = self.kv
         if not self.ubatches:

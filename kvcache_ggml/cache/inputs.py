@@ -6,6 +6,11 @@ relative position buckets.  Every ``set_input_*`` writes the data of a tensor in
 does, checking the tensor (type, shape for this ubatch, contiguity, host memory) before writing anything;
 :func:`host_array` makes those checks and returns the tensor's data as a numpy array.  Nothing loops in Python
 over tokens or cells: loops run over streams or over the distinct sequences of a ubatch.
+
+Fast paths (the same bytes): the numpy view of a tensor's data is kept for the next call on the same memory
+(``_host``: the runtime fills the same input tensors step after step), and a mask whose tokens need no window,
+ALiBi or 2-D test is copied from ready rows patched with the cells' changes (:mod:`.mask_rows`) instead of being
+built over all ``n_kv`` cells.
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ import numpy as np
 from .. import _ggml as G
 from ..batch import UBatch
 from ..hparams import HParams, SwaType, llama_relative_position_bucket_np
+from .._consts import LLAMA_MAX_SEQ
 from .bookkeeping import KVBookkeeping
+from .mask_rows import MaskRows
 from .masks import mask_decode_row, mask_group, token_groups
 from .types import SlotInfo
 
@@ -45,14 +52,15 @@ def _buffer_desc(dst: Any) -> str:
     return f"buffer {raw.decode('utf-8', 'replace') if raw else '?'!r}"
 
 
-def host_array(dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int]) -> np.ndarray:
+def host_array(dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int],
+               header: tuple | None = None) -> np.ndarray:
     """The data of host tensor ``dst`` as a writable numpy array of shape ``reversed(ne)``.
 
     ValueError, naming the tensor and its buffer, unless ``dst`` has one of ``types``, exactly ``ne`` elements per
     dimension and a contiguous layout, and lives in host memory (a host buffer, or an allocating context).
-    Nothing is written.
+    Nothing is written.  ``header``: ``G.header(dst)`` when the caller has read it already.
     """
-    tt, have, nb, buf, ptr = G.header(dst)  # one struct read: this runs for every input of every step
+    tt, have, nb, buf, ptr = header or G.header(dst)  # one struct read: this runs for every input of every step
     if tt not in types:
         want = " or ".join(G.type_name(t) for t in types)
         raise ValueError(f"tensor {G.name(dst)!r} is {G.type_name(tt)}, expected {want}")
@@ -79,13 +87,32 @@ class KVInputs:
         self.kv_size = book.get_size()                # cells per stream
         # offset of element j of a transposed V row in its stream: the per-step v_idxs input adds it to each cell
         self._v_elem_offs = np.arange(hparams.n_embd_v_gqa_max(), dtype=np.int64) * self.kv_size
+        self.mask_rows = MaskRows(book)               # ready kq-mask rows, patched step to step
+        self._views: dict[tuple, np.ndarray] = {}     # (tensor header, ne) -> numpy view of its checked data
+        self.fast = True  # fast paths on (the equivalence tests turn them off to compare with the full build)
+
+    def _host(self, dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int],
+              header: tuple | None = None) -> np.ndarray:
+        """host_array(dst, types, ne), its view kept for the next call on the same memory with the same header
+        (the header holds the type, shape, strides, buffer and data pointer that host_array checks; whether
+        the buffer is in host memory is asked again)."""
+        header = header or G.header(dst)
+        view = self._views.get((header, ne))
+        if view is None or header[0] not in types:
+            view = host_array(dst, types, ne, header)
+            if len(self._views) >= 64:
+                self._views.clear()
+            self._views[(header, ne)] = view
+        elif header[3] and not G.ggml_backend_buffer_is_host(header[3]):
+            return host_array(dst, types, ne, header)  # raises: the buffer is no longer host memory
+        return view
 
     # ------------------------------------------------------------------ index inputs
 
     def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
         self._check_slot(ubatch, sinfo)
-        out = host_array(dst, (G.GGMLType.I64,), (ubatch.n_tokens, 1, 1, 1)).reshape(-1)
+        out = self._host(dst, (G.GGMLType.I64,), (ubatch.n_tokens, 1, 1, 1)).reshape(-1)
         np.copyto(out, self._token_cells(sinfo))
 
     def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
@@ -94,12 +121,12 @@ class KVInputs:
         self._check_slot(ubatch, sinfo)
         n_tokens = ubatch.n_tokens
         if not self.v_trans:
-            out = host_array(dst, (G.GGMLType.I64,), (n_tokens, 1, 1, 1)).reshape(-1)
+            out = self._host(dst, (G.GGMLType.I64,), (n_tokens, 1, 1, 1)).reshape(-1)
             np.copyto(out, self._token_cells(sinfo))
             return
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]
-        out = host_array(dst, (G.GGMLType.I64,), (n_tokens * n_embd, 1, 1, 1)).reshape(n_tokens, n_embd)
+        out = self._host(dst, (G.GGMLType.I64,), (n_tokens * n_embd, 1, 1, 1)).reshape(n_tokens, n_embd)
         base = self._token_cells(sinfo, stream_stride=self.kv_size * n_embd)  # [n_tokens]
         np.add(base[:, None], elem, out=out)
 
@@ -123,20 +150,25 @@ class KVInputs:
         """F32 or F16 [n_kv, n_tps, 1, n_stream]: 0 (or the ALiBi bias -|p0 - p1|) where token i may attend
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
         n_tokens = ubatch.n_tokens
-        n_kv, _, _, ns = G.ne(dst)
+        header = G.header(dst)
+        n_kv, _, _, ns = header[1]
         if ns < 1 or n_tokens % ns:
             raise ValueError(f"kq mask {G.name(dst)!r}: ne[3] = {ns} streams do not split the ubatch's "
                              f"{n_tokens} tokens evenly")
         if n_kv > self.kv_size:
             raise ValueError(f"kq mask {G.name(dst)!r}: n_kv = ne[0] = {n_kv} exceeds the cache size "
                              f"{self.kv_size}")
-        out = host_array(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns))
+        out = self._host(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns), header)
         if out.size == 0:
             return
         rows = out.reshape(n_tokens, n_kv)  # row i = token i (stream s, token ii of it: i = s*n_tps + ii)
         book, alibi = self.book, bool(self.hparams.use_alibi)
         stream_of = book.stream_of
-        if n_tokens == 1 and book.swa_type == SwaType.NONE and not alibi and not ubatch.is_pos_2d():
+        plain = book.swa_type == SwaType.NONE and not alibi and not ubatch.is_pos_2d()  # rows need no window
+        if plain and self.fast and n_tokens <= LLAMA_MAX_SEQ and self.mask_rows.write(
+                rows, ubatch.seq_id[:, 0].tolist(), ubatch.pos[:n_tokens].tolist(), bool(causal_attn)):
+            return
+        if n_tokens == 1 and plain:
             seq_id = int(ubatch.seq_id[0, 0])
             mask_decode_row(rows[0], book.v_cells[stream_of[seq_id]], seq_id, int(ubatch.pos[0]), bool(causal_attn))
             return
@@ -177,7 +209,7 @@ class KVInputs:
         """int64 [n_tokens]: ``strm*stream_stride + cell`` of each token (stride kv_size by default)."""
         stride = self.kv_size if stream_stride is None else stream_stride
         if len(sinfo.idxs) == 1:
-            return sinfo.idxs[0] + sinfo.strm[0] * stride
+            return sinfo.idxs[0] + sinfo.strm[0] * stride if sinfo.strm[0] else sinfo.idxs[0]
         return np.concatenate([idx + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)])
 
 

@@ -1,0 +1,193 @@
+"""Ready kq-mask rows, patched from the cells' change log instead of rebuilt (beyond llama.cpp; no ggml).
+
+llama.cpp writes every mask row over all ``n_kv`` cells on every step.  Without a sliding window, ALiBi or 2-D
+positions, the row of a token of sequence ``s`` at position ``p1`` hides cell ``j`` unless the cell holds ``s``
+and (causal attention) ``pos[j] <= p1``.  When ``p1`` is at least ``s``'s largest position in the cells -- always so
+on a decode step, whose token was just placed at the sequence's next position -- the position test hides nothing
+the sequence test does not, and the row depends on the sequence bits alone: -inf where the cell lacks ``s``
+(empty cells included), +0.0 where it holds it.
+
+:class:`MaskRows` keeps such a row per (stream, sequence) -- in one block per stream and mask type, as the integer
+bit patterns of the mask's float type -- and brings it up to date from the stream's change log
+(:meth:`KVCells.changes_since`): the cells whose sequence set changed since the last step are recomputed for every
+row of the block at once, and cells beyond what the rows cover yet are computed when ``n_kv`` grows.  A dropped log
+(a reset, or more changes than patching pays for) empties the block; rows are then rebuilt as tokens need them.
+Writing a token's row into the mask is one copy of ``n_kv`` values.  Memory is bounded (``budget`` bytes per
+block; the least recently used row gives way).  :meth:`KVInputs.set_input_kq_mask` uses it when every token of
+the ubatch qualifies and builds the mask in full (:mod:`.masks`) otherwise; the bytes are the same
+(tests/test_mask_rows.py checks them against the full build on random traces).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..cells import KVCells
+from .bookkeeping import KVBookkeeping
+from .masks import NEG_INF_BITS
+
+__all__ = ["MaskRows"]
+
+_BUDGET = 64 << 20       # bytes of ready rows per block (stream and mask type)
+_PATCH_MAX = 0.125       # patch at most this share of the covered cells; beyond, rebuild the rows that are needed
+_FEW = 8                 # (changed cells) x (rows) patched with scalar Python
+
+
+def _cells_of(changes: list) -> np.ndarray:
+    """int64 cells of change-log entries (ints and int64 arrays), repeats kept."""
+    ints = [c for c in changes if type(c) is int]
+    if len(ints) == len(changes):
+        return np.array(ints, np.int64)
+    arrays = [c for c in changes if type(c) is not int]
+    if ints:
+        arrays.append(np.array(ints, np.int64))
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+class _Block:
+    """The ready rows of one stream for one mask type: row r is the mask row of sequence ``seqs[r]`` over the
+    cells [0, n_valid), as of the stream's change-log position ``mark``."""
+
+    __slots__ = ("cells", "itype", "neg", "cap", "rows", "seqs", "row_of", "used", "n_valid", "mark", "tick")
+
+    def __init__(self, cells: KVCells, itype: type, neg: np.integer, budget: int) -> None:
+        self.cells = cells                                  # the stream's cells
+        self.itype = itype                                  # integer type with the mask's bit pattern
+        self.neg = neg                                      # -inf as that integer
+        self.cap = max(1, budget // (cells.size() * np.dtype(itype).itemsize))  # rows the budget allows
+        self.rows = np.empty((min(self.cap, 8), cells.size()), itype)  # [size, n_rows] bit patterns
+        self.seqs: list[int] = []                           # sequence of each row
+        self.row_of: dict[int, int] = {}                    # sequence -> its row
+        self.used: list[int] = []                           # tick of each row's last use (LRU)
+        self.n_valid = 0                                    # rows are exact over cells [0, n_valid)
+        self.mark = cells.change_mark()                     # change-log position the rows reflect
+        self.tick = 0                                       # use counter
+
+    def sync(self, n_kv: int) -> None:
+        """Bring every row up to date over cells [0, max(n_valid, n_kv))."""
+        cells = self.cells
+        changes = cells.changes_since(self.mark)
+        self.mark = cells.change_mark()
+        if changes is None or (changes and self.seqs and not self._patch(changes)):
+            self.clear(n_kv)
+            return
+        if n_kv > self.n_valid:
+            if self.seqs:
+                self._fill(slice(self.n_valid, n_kv))
+            self.n_valid = n_kv
+
+    def _patch(self, changes: list) -> bool:
+        """Recompute the changed cells of every row; False when so many changed that rebuilding pays."""
+        n = self.n_valid
+        if len(changes) * len(self.seqs) <= _FEW and all(type(c) is int for c in changes):
+            self._fill_few([c for c in changes if c < n])
+            return True
+        ch = _cells_of(changes)
+        ch = ch[ch < n]
+        if ch.size > _PATCH_MAX * n:
+            return False
+        if ch.size:
+            self._fill(ch)
+        return True
+
+    def clear(self, n_kv: int) -> None:
+        """Forget every row; rows added next cover [0, n_kv)."""
+        self.seqs, self.row_of, self.used = [], {}, []
+        self.n_valid = n_kv
+
+    def row(self, seq_id: int) -> int:
+        """The row of ``seq_id`` (after :meth:`sync`), built over [0, n_valid) if it has none."""
+        self.tick += 1
+        r = self.row_of.get(seq_id)
+        if r is None:
+            r = self._new_row(seq_id)
+        self.used[r] = self.tick
+        return r
+
+    def _new_row(self, seq_id: int) -> int:
+        n_rows = len(self.seqs)
+        if n_rows < self.cap:
+            r = n_rows
+            if r == self.rows.shape[0]:  # grow the storage (doubling, up to the budget)
+                grown = np.empty((min(self.cap, 2 * r), self.rows.shape[1]), self.itype)
+                grown[:r] = self.rows
+                self.rows = grown
+            self.seqs.append(seq_id)
+            self.used.append(0)
+        else:  # the least recently used row gives way
+            r = self.used.index(min(self.used))
+            del self.row_of[self.seqs[r]]
+            self.seqs[r] = seq_id
+        self.row_of[seq_id] = r
+        n = self.n_valid
+        hidden = self.cells.seq_absent(seq_id, n)                      # [n_valid] bool
+        np.multiply(hidden, self.neg, out=self.rows[r, :n])
+        return r
+
+    def _fill(self, cols: np.ndarray | slice) -> None:
+        """Recompute the columns ``cols`` (cells) of every row from the sequence bits."""
+        bits = self.cells.seq_bits                                     # [SEQ_WORDS, size] uint64
+        n_rows = len(self.seqs)
+        seqs = np.array(self.seqs, np.int64)
+        words = seqs >> 6                                               # [n_rows]
+        bit = (np.uint64(1) << (seqs & 63).astype(np.uint64))[:, None]  # [n_rows, 1]
+        if isinstance(cols, slice):
+            hidden = (bits[words, cols] & bit) == 0                     # [n_rows, width]
+            np.multiply(hidden, self.neg, out=self.rows[:n_rows, cols])
+        else:
+            hidden = (bits[words[:, None], cols[None, :]] & bit) == 0   # [n_rows, n_cols]
+            self.rows[:n_rows, cols] = hidden * self.neg
+
+    def _fill_few(self, cells: list[int]) -> None:
+        """_fill of a few cells (ints), with scalar Python: the decode step's changes."""
+        bits, rows, neg = self.cells.seq_bits, self.rows, self.neg
+        for r, s in enumerate(self.seqs):
+            w, b = s >> 6, s & 63
+            for j in cells:
+                rows[r, j] = 0 if bits.item(w, j) >> b & 1 else neg
+
+
+class MaskRows:
+    """The ready rows of every stream, per mask type; :meth:`write` fills a mask from them."""
+
+    def __init__(self, book: KVBookkeeping, budget: int = _BUDGET) -> None:
+        self.book = book                                  # the cells the rows are derived from
+        self.budget = budget                              # bytes per block
+        self._blocks: dict[tuple[int, type], _Block] = {}  # (stream, integer type) -> rows
+
+    def write(self, rows: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
+        """Fill the mask rows ``rows`` [n_tokens, n_kv] (float32 or float16) of tokens of sequences ``seq_ids`` at
+        positions ``pos`` from the ready rows; False (nothing written) when a causal token's position is below its
+        sequence's largest one (the row then needs the position test: the caller builds it in full)."""
+        book = self.book
+        stream_of, v_cells = book.stream_of, book.v_cells
+        if causal:
+            for s, p in zip(seq_ids, pos):
+                if v_cells[stream_of[s]].seq_pos_max(s) > p:
+                    return False
+        itype, neg = NEG_INF_BITS[rows.dtype]
+        out = rows.view(itype)
+        n_kv = out.shape[1]
+        if book.n_stream == 1:
+            block = self._block(0, itype, neg, n_kv)
+            if len(seq_ids) == 1:
+                np.copyto(out[0], block.rows[block.row(seq_ids[0]), :n_kv])
+            else:
+                rs = [block.row(s) for s in seq_ids]
+                np.take(block.rows[:, :n_kv], rs, axis=0, out=out)
+            return True
+        synced = {}
+        for i, s in enumerate(seq_ids):
+            st = stream_of[s]
+            block = synced.get(st)
+            if block is None:
+                block = synced[st] = self._block(st, itype, neg, n_kv)
+            np.copyto(out[i], block.rows[block.row(s), :n_kv])
+        return True
+
+    def _block(self, strm: int, itype: type, neg: np.integer, n_kv: int) -> _Block:
+        """The rows of stream ``strm`` for ``itype``, synced over at least [0, n_kv)."""
+        block = self._blocks.get((strm, itype))
+        if block is None or block.cells is not self.book.v_cells[strm]:
+            block = self._blocks[(strm, itype)] = _Block(self.book.v_cells[strm], itype, neg, self.budget)
+        block.sync(n_kv)
+        return block
