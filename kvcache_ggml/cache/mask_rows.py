@@ -60,10 +60,11 @@ class _Block:
         self.used: list[int] = []                           # tick of each row's last use (LRU)
         self.n_valid = 0                                    # rows are exact over cells [0, n_valid)
         self.mark = cells.change_mark()                     # change-log position the rows reflect
-        self.tick = 0                                       # use counter
+        self.tick = 0                                       # writes so far (a row's last use is one of them)
 
     def sync(self, n_kv: int) -> None:
-        """Bring every row up to date over cells [0, max(n_valid, n_kv))."""
+        """Bring every row up to date over cells [0, max(n_valid, n_kv)), for a new write."""
+        self.tick += 1
         cells = self.cells
         changes = cells.changes_since(self.mark)
         self.mark = cells.change_mark()
@@ -94,16 +95,18 @@ class _Block:
         self.seqs, self.row_of, self.used = [], {}, []
         self.n_valid = n_kv
 
-    def row(self, seq_id: int) -> int:
-        """The row of ``seq_id`` (after :meth:`sync`), built over [0, n_valid) if it has none."""
-        self.tick += 1
+    def row(self, seq_id: int) -> int | None:
+        """The row of ``seq_id`` (after :meth:`sync`), built over [0, n_valid) if it has none; None when the
+        budget's rows all serve the current write (``tick``)."""
         r = self.row_of.get(seq_id)
         if r is None:
             r = self._new_row(seq_id)
+            if r is None:
+                return None
         self.used[r] = self.tick
         return r
 
-    def _new_row(self, seq_id: int) -> int:
+    def _new_row(self, seq_id: int) -> int | None:
         n_rows = len(self.seqs)
         if n_rows < self.cap:
             r = n_rows
@@ -113,8 +116,10 @@ class _Block:
                 self.rows = grown
             self.seqs.append(seq_id)
             self.used.append(0)
-        else:  # the least recently used row gives way
+        else:  # the least recently used row gives way, unless it serves the current write too
             r = self.used.index(min(self.used))
+            if self.used[r] == self.tick:
+                return None
             del self.row_of[self.seqs[r]]
             self.seqs[r] = seq_id
         self.row_of[seq_id] = r
@@ -157,22 +162,26 @@ class MaskRows:
     def write(self, rows: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
         """Fill the mask rows ``rows`` [n_tokens, n_kv] (float32 or float16) of tokens of sequences ``seq_ids`` at
         positions ``pos`` from the ready rows; False (nothing written) when a causal token's position is below its
-        sequence's largest one (the row then needs the position test: the caller builds it in full)."""
+        sequence's largest one (the row then needs the position test), when a sequence holds a cell at position -1
+        (a token placed there: the cell is empty to llama.cpp, and the position multisets may disagree with the
+        bits), or when the tokens need more rows than the budget holds: the caller then builds the mask in full."""
         book = self.book
         stream_of, v_cells = book.stream_of, book.v_cells
-        if causal:
-            for s, p in zip(seq_ids, pos):
-                if v_cells[stream_of[s]].seq_pos_max(s) > p:
-                    return False
+        for s, p in zip(seq_ids, pos):
+            cells = v_cells[stream_of[s]]
+            if (causal and cells.seq_pos_max(s) > p) or cells.seq_pos_min(s) < 0:
+                return False
         itype, neg = NEG_INF_BITS[rows.dtype]
         out = rows.view(itype)
         n_kv = out.shape[1]
         if book.n_stream == 1:
             block = self._block(0, itype, neg, n_kv)
-            if len(seq_ids) == 1:
-                np.copyto(out[0], block.rows[block.row(seq_ids[0]), :n_kv])
+            rs = [block.row(s) for s in seq_ids]
+            if None in rs:
+                return False
+            if len(rs) == 1:
+                np.copyto(out[0], block.rows[rs[0], :n_kv])
             else:
-                rs = [block.row(s) for s in seq_ids]
                 np.take(block.rows[:, :n_kv], rs, axis=0, out=out)
             return True
         synced = {}
@@ -181,7 +190,10 @@ class MaskRows:
             block = synced.get(st)
             if block is None:
                 block = synced[st] = self._block(st, itype, neg, n_kv)
-            np.copyto(out[i], block.rows[block.row(s), :n_kv])
+            r = block.row(s)
+            if r is None:
+                return False
+            np.copyto(out[i], block.rows[r, :n_kv])
         return True
 
     def _block(self, strm: int, itype: type, neg: np.integer, n_kv: int) -> _Block:
