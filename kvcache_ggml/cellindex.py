@@ -260,18 +260,20 @@ class UsedRange:
 class ChangeLog:
     """The cells whose sequence set changed (a sequence joined or left them, or they were emptied), in order.
 
-    A reader keeps ``mark()`` -- (epoch, entries seen) -- next to what it derived from the cells and later asks
-    ``since(mark)`` for the entries logged after it: Python ints (one cell) or int64 arrays, cells possibly
-    repeated.  ``since`` returns None when the log was dropped in between -- by a wholesale change (a reset), or
-    because it grew past ``max_cells`` cells or ``max_entries`` entries, when patching would cost about a rebuild
-    -- and the reader then rebuilds.  Logging costs a list append; nothing is kept for readers that never come.
+    A reader keeps, next to what it derived from the cells, the ``epoch`` and how many ``entries`` it has seen, and
+    later reads the entries logged since: Python ints (one cell) or int64 arrays (``n_arrays`` counts those), cells
+    possibly repeated.  A new epoch means the entries were dropped in between -- by a wholesale change (a reset), or
+    because they grew past ``max_cells`` array cells or ``max_entries`` entries, when patching would cost about a
+    rebuild -- and the reader then rebuilds.  Logging costs a list append; nothing is kept for readers that never
+    come.
     """
 
-    __slots__ = ("entries", "n_cells", "epoch", "max_cells", "max_entries")
+    __slots__ = ("entries", "n_cells", "n_arrays", "epoch", "max_cells", "max_entries")
 
     def __init__(self, max_cells: int, max_entries: int = 512) -> None:
         self.entries: list[int | np.ndarray] = []  # changed cells, one int or int64 array per change
-        self.n_cells = 0                            # cells in ``entries`` (with repeats)
+        self.n_cells = 0                            # cells in the arrays of ``entries`` (with repeats)
+        self.n_arrays = 0                           # entries that are arrays (ever: readers compare counts)
         self.epoch = 0                              # bumped when the entries are dropped
         self.max_cells = max_cells                  # drop the entries beyond this many cells...
         self.max_entries = max_entries              # ... or this many entries
@@ -279,15 +281,16 @@ class ChangeLog:
     def add(self, idxs: np.ndarray) -> None:
         """The cells ``idxs`` (int64) changed."""
         self.entries.append(idxs)
+        self.n_arrays += 1
         self.n_cells += idxs.size
         if self.n_cells > self.max_cells or len(self.entries) > self.max_entries:
             self.drop()
 
     def add_one(self, i: int) -> None:
-        """Cell ``i`` changed."""
-        self.entries.append(i)
-        self.n_cells += 1
-        if self.n_cells > self.max_cells or len(self.entries) > self.max_entries:
+        """Cell ``i`` changed (counted as an entry only: ``n_cells`` bounds the arrays)."""
+        entries = self.entries
+        entries.append(i)
+        if len(entries) > self.max_entries:
             self.drop()
 
     def drop(self) -> None:
@@ -296,10 +299,3 @@ class ChangeLog:
         self.n_cells = 0
         self.epoch += 1
 
-    def mark(self) -> tuple[int, int]:
-        return self.epoch, len(self.entries)
-
-    def since(self, mark: tuple[int, int]) -> list[int | np.ndarray] | None:
-        """The entries logged after ``mark``, or None when they were dropped in between."""
-        epoch, k = mark
-        return self.entries[k:] if epoch == self.epoch else None

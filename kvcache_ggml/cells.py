@@ -18,7 +18,7 @@ with those arrays, and a third record beyond llama.cpp:
 * per sequence, the multiset of its positions (:class:`PosMultiset`), so that ``seq_pos_min``/``seq_pos_max`` are
   O(1);
 * the change log (:class:`ChangeLog`): every cell whose sequence set changed, which the kq mask rows read
-  (``changes_since``) to patch themselves instead of being rebuilt.
+  (``change_log``) to patch themselves instead of being rebuilt.
 
 Whole cells enter and leave both indices through two private helpers, :meth:`KVCells._index_add` and
 :meth:`KVCells._index_remove` (moves, shifts, removals, restores).  The mutators of the decode path update them in
@@ -44,7 +44,7 @@ __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids"]
 _ONE = np.uint64(1)
 _BIT = [np.uint64(1 << b) for b in range(64)]
 _FEW = 64  # find() scans backwards for this many cells of a sequence or fewer
-_OTHER_WORDS = [[k for k in range(SEQ_WORDS) if k != w] for w in range(SEQ_WORDS)]  # per word, the others
+assert SEQ_WORDS == 4, "seq_rm_last reads the words of a cell one by one"
 _NO_CELLS = np.empty(0, np.int64)
 _NO_CELLS.flags.writeable = False
 
@@ -122,14 +122,11 @@ class KVCells(OneCellAPI):
     def get_has_shift(self) -> bool:
         return self._has_shift
 
-    def change_mark(self) -> tuple[int, int]:
-        """Where the change log stands now (see :class:`~kvcache_ggml.cellindex.ChangeLog`)."""
-        return self._log.mark()
-
-    def changes_since(self, mark: tuple[int, int]) -> list[int | np.ndarray] | None:
-        """The cells whose sequence set changed since ``mark`` (ints and int64 arrays, maybe repeated), or None
-        when the log was dropped since (a reset, or too many changes): then everything may have changed."""
-        return self._log.since(mark)
+    @property
+    def change_log(self) -> ChangeLog:
+        """The cells whose sequence set changed, for readers that keep something derived from the bits (read it
+        only: see :class:`~kvcache_ggml.cellindex.ChangeLog`)."""
+        return self._log
 
     # ------------------------------------------------------------------ copies (for roll-back)
 
@@ -174,6 +171,11 @@ class KVCells(OneCellAPI):
     def seq_pos_max(self, seq_id: int) -> int:
         ms = self._seq_pos.get(seq_id)
         return ms.keys[-1] if ms else -1
+
+    def seq_pos_bounds(self, seq_id: int) -> tuple[int, int]:
+        """(seq_pos_min, seq_pos_max) in one call."""
+        ms = self._seq_pos.get(seq_id)
+        return (ms.keys[0], ms.keys[-1]) if ms else (-1, -1)
 
     # ------------------------------------------------------------------ vectorised queries
 
@@ -328,12 +330,12 @@ class KVCells(OneCellAPI):
         cell of ``seq_id`` in [p0, p1) holds its largest position and is the cell of its last placement, remove the
         sequence from it with scalar Python and return the cell if it became empty, else -1.  None (nothing done)
         when the cells do not look like that."""
-        ms = self._seq_pos.get(seq_id)
-        if not ms:
+        ms = self._seq_pos.get(seq_id)  # (a sequence without cells has no multiset)
+        if ms is None:
             return None
-        keys = ms.keys
+        keys, counts = ms.keys, ms.counts
         p = keys[-1]
-        if not p0 <= p < p1 or ms.counts[-1] != 1 or (len(keys) > 1 and keys[-2] >= p0):
+        if not p0 <= p < p1 or counts[-1] != 1 or (len(keys) > 1 and keys[-2] >= p0):
             return None
         # one cell of the sequence holds p: if the hinted cell holds the sequence at p, it is that cell
         i = self._newest.get(seq_id, -1)
@@ -343,16 +345,19 @@ class KVCells(OneCellAPI):
         word = self._seq.item(w, i)
         if self._pos.item(i) != p or not word >> b & 1:
             return None
-        ms.dec(p)
-        if not ms:
+        keys.pop()  # ms.dec(p) of the largest position, held once
+        counts.pop()
+        if not keys:
             del self._seq_pos[seq_id]
         rest = word ^ (1 << b)
-        self._seq[w, i] = rest
+        seq = self._seq
+        seq[w, i] = rest
         self._log.add_one(i)
-        if rest or any(map(self._seq.item, _OTHER_WORDS[w], (i,) * (SEQ_WORDS - 1))):
+        if rest or seq.item(0, i) or seq.item(1, i) or seq.item(2, i) or seq.item(3, i):  # (SEQ_WORDS words)
             return -1
         self._pos[i] = -1
-        self._ext[i] = 0
+        self._ext[i, 0] = 0
+        self._ext[i, 1] = 0
         self._shift[i] = 0
         self._used.erase_one(i)
         return i
@@ -445,8 +450,14 @@ class KVCells(OneCellAPI):
         """place() of one cell ``i``, position ``p``, sequence ``s`` with scalar Python (the decode step)."""
         self._pos[i] = p
         self._used.insert_one(i)
-        self._seq[s >> 6, i] |= _BIT[s & 63]
-        self._ms(s).inc(p)
+        w = s >> 6
+        self._seq[w, i] = self._seq.item(w, i) | 1 << (s & 63)
+        ms = self._seq_pos.get(s)
+        if ms is not None and p > ms.keys[-1]:  # ms.inc(p) past the largest position
+            ms.keys.append(p)
+            ms.counts.append(1)
+        else:
+            self._ms(s).inc(p)
         self._log.add_one(i)
         self._newest[s] = i
 

@@ -19,7 +19,7 @@ from .._consts import LLAMA_MAX_SEQ
 from ._decode import init_decode
 from ._input import Batch, _filled
 from ._split import BatchSplitter, seq_groups
-from ._ubatch import (_NO_TOKENS, _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, UBatch, _atoi, _distinct,
+from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, UBatch, _atoi, _distinct,
                       _present_seqs, _print_ubatch, _seq_pos_stats)
 
 logger = logging.getLogger("kvcache_ggml.batch")
@@ -50,14 +50,7 @@ class BatchAllocator(BatchSplitter):
         self.n_pos_per_embd = int(n_pos_per_embd)
         self._debug = _atoi(os.environ.get("LLAMA_BATCH_DEBUG"))
         self.fast = True
-        self._n_vocab = self._n_embd = self._n_seq_max = 0
-        self._has_cpl = False
-        self._token = self._embd = self._pos_all = self._pos0 = self._pos2d = None
-        self._n_seq_id = self._seq2d = self._seq0 = self._output = None
-        self._seqs = self._grp = None
-        self._gid = self._gorder = self._gstart = self._gsize = self._gmask = self._gseq = self._seq2g = None
-        self._used = _NO_TOKENS
-        self._hint = 0
+        # the batch's fields are set by init (_commit); until then only what _clear sets is read
         self._clear()
 
     # ------------------------------------------------------------------------------------------------ init
@@ -70,15 +63,17 @@ class BatchAllocator(BatchSplitter):
         The decode step (n tokens of n distinct sequences) takes a fast path, :func:`._decode.init_decode`, with
         the same result.
         """
+        # the fast path commits everything _clear resets, or changes nothing (it clears if the memory raises)
+        if (self.fast and self._debug <= 0 and type(batch) is Batch and type(n_vocab) is int
+                and type(n_seq_max) is int and type(n_embd) is int
+                and init_decode(self, batch, n_vocab, memory, n_seq_max, output_all)):
+            return
         self._clear()
         if not isinstance(batch, Batch):
             raise TypeError(f"batch: expected a Batch, got {type(batch).__name__}")
         n_seq_max = int(n_seq_max)
         n_vocab = int(n_vocab)
         n_embd = int(n_embd)
-        if self.fast and self._debug <= 0 and init_decode(self, batch, n_vocab, memory, n_embd, n_seq_max,
-                                                          output_all):
-            return
         seq2d, n_seq_id, has_cpl = self._validate(batch, n_vocab, n_embd, n_seq_max)
         seq0 = seq2d[:, 0]  # int32 [n] each token's first sequence id
         seqs, grp = self._sequences(batch, seq2d, seq0, has_cpl)
@@ -96,8 +91,7 @@ class BatchAllocator(BatchSplitter):
         if self._debug > 0:
             self._print_input(batch, pos_all, seqs, seq2d, n_seq_id, output, n_outputs, stats)
         self._check_consistency(batch, memory, seqs, mem_max, stats, pos0, seq2d, n_seq_id, has_cpl)
-        self._commit(batch, n_vocab, n_embd, n_seq_max, pos_all, pos0, seq2d, seq0, n_seq_id, has_cpl, seqs, grp,
-                     stats, output, n_outputs)
+        self._commit(batch, pos_all, pos0, seq2d, seq0, n_seq_id, has_cpl, seqs, grp, stats, output, n_outputs)
 
     # -- validation of the input --------------------------------------------------------------------------
 
@@ -370,16 +364,15 @@ class BatchAllocator(BatchSplitter):
 
     # -- commit -------------------------------------------------------------------------------------------
 
-    def _commit(self, batch: Batch, n_vocab: int, n_embd: int, n_seq_max: int, pos_all: np.ndarray,
-                pos0: np.ndarray, seq2d: np.ndarray, seq0: np.ndarray, n_seq_id: np.ndarray, has_cpl: bool,
-                seqs: list[int], grp: _Groups, stats: _Stats, output: np.ndarray, n_outputs: int) -> None:
+    def _commit(self, batch: Batch, pos_all: np.ndarray, pos0: np.ndarray, seq2d: np.ndarray, seq0: np.ndarray,
+                n_seq_id: np.ndarray, has_cpl: bool, seqs: list[int], grp: _Groups, stats: _Stats,
+                output: np.ndarray, n_outputs: int) -> None:
         """Make the validated batch current and reset the splits."""
         n = batch.n_tokens
         npe = self.n_pos_per_embd
         token = batch.token
         self._batch = batch
         self._n = n
-        self._n_vocab, self._n_embd, self._n_seq_max = n_vocab, n_embd, n_seq_max
         self._n_outputs = n_outputs
         self._has_cpl = has_cpl
         self._token = token
@@ -397,7 +390,7 @@ class BatchAllocator(BatchSplitter):
         self._grp = grp
         self._gorder = None
         # split_reset() without its check: the batch was just set
-        self._used = np.zeros(n, bool)
+        self._used = None
         self._n_used = 0
         self._out_ids = []
         self._hint = 0

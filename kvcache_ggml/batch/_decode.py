@@ -23,19 +23,23 @@ if TYPE_CHECKING:
     from ._allocator import BatchAllocator, MemoryPositions
 
 
-def init_decode(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_embd: int,
-                n_seq_max: int, output_all: bool) -> bool:
+def init_decode(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
+                output_all: bool) -> bool:
     """Validate, fill and commit a decode batch (n tokens, n distinct sequences, one each); False when ``batch``
     is not one, or would be rejected: the general path then decides."""
     if batch.token is None or ba.n_pos_per_embd != 1 or not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
         return False
-    if batch.n_tokens == 1:
-        return _init_one(ba, batch, n_vocab, memory, n_embd, n_seq_max, output_all)
-    return _init_many(ba, batch, n_vocab, memory, n_embd, n_seq_max, output_all)
+    try:
+        if batch.n_tokens == 1:
+            return _init_one(ba, batch, n_vocab, memory, n_seq_max, output_all)
+        return _init_many(ba, batch, n_vocab, memory, n_seq_max, output_all)
+    except BaseException:  # the memory raised: no batch, as after the general path's failure
+        ba._clear()
+        raise
 
 
-def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_embd: int,
-              n_seq_max: int, output_all: bool) -> bool:
+def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
+              output_all: bool) -> bool:
     """init_decode of one token, with scalar Python."""
     if not 0 <= batch.token.item(0) < n_vocab:
         return False
@@ -68,13 +72,13 @@ def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPosi
         n_outputs = int(output.item(0) != 0)
         if output_all and not n_outputs:
             return False  # the general path warns and overrides
-    ba._commit(batch, n_vocab, n_embd, n_seq_max, pos_all, pos0, seq2d, seq2d[:, 0], n_seq_id, False, [s], None,
-               {s: (p, p, 1)}, output, n_outputs)
+    ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], n_seq_id, False, [s], None, {s: (p, p, 1)}, output,
+               n_outputs)
     return True
 
 
-def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_embd: int,
-               n_seq_max: int, output_all: bool) -> bool:
+def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
+               output_all: bool) -> bool:
     """init_decode of n > 1 tokens: Python lists of at most n_seq_max values, a few numpy calls."""
     n, token, seq2d = batch.n_tokens, batch.token, batch.seq_id
     if seq2d is None or seq2d.shape[1] != 1 or n > n_seq_max:
@@ -114,6 +118,6 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
         if output_all and n_outputs < n:
             return False  # the general path warns and overrides
     at = dict(zip(ids, plist))
-    ba._commit(batch, n_vocab, n_embd, n_seq_max, pos_all, pos0, seq2d, seq2d[:, 0], batch.n_seq_id, False, seqs,
-               None, {s: (at[s], at[s], 1) for s in seqs}, output, n_outputs)
+    ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], batch.n_seq_id, False, seqs, None,
+               {s: (at[s], at[s], 1) for s in seqs}, output, n_outputs)
     return True

@@ -8,12 +8,16 @@ of the group's members, so the number of used members of a group is also the ind
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
+
 import numpy as np
 
 from .._consts import SEQ_WORDS
 from ._ubatch import _SEQ_IDX_NONE, _TOKEN_IDS, UBatch, _decode_arrays, _empty_ubatch, _present_seqs, _print_ubatch
 
 logger = logging.getLogger("kvcache_ggml.batch")
+_NO_STATS = MappingProxyType({})  # no batch: no sequence statistics (read-only; init commits a dict)
+_NO_OUT_IDS = ()                   # no batch: no output ids (init commits a list)
 
 
 class BatchSplitter:
@@ -25,12 +29,12 @@ class BatchSplitter:
         "n_pos_per_embd", "_debug", "fast",
         # the current batch (_batch is None when there is none: before init, after a failed init or
         # ubatch_reserve); the arrays below are read only while it is set
-        "_batch", "_n", "_n_vocab", "_n_embd", "_n_seq_max", "_n_outputs", "_has_cpl",
+        "_batch", "_n", "_n_outputs", "_has_cpl",
         "_token", "_embd", "_pos_all", "_pos0", "_pos2d", "_n_seq_id", "_seq2d", "_seq0", "_output",
         "_seq_stats", "_seqs", "_grp",
         # sequence-set groups, built on first use by split_equal/split_seq
         "_gid", "_gorder", "_gstart", "_gsize", "_gmask", "_gseq", "_seq2g",
-        # split state
+        # split state (_used: None until a split marks a token, see _used_mask)
         "_used", "_n_used", "_out_ids", "_hint",
     )
 
@@ -41,9 +45,9 @@ class BatchSplitter:
         self._batch = None
         self._n = 0
         self._n_outputs = 0
-        self._seq_stats = {}
+        self._seq_stats = _NO_STATS
         self._n_used = 0
-        self._out_ids = []
+        self._out_ids = _NO_OUT_IDS
 
     def _require_batch(self, what: str) -> None:
         if self._batch is None:
@@ -55,20 +59,29 @@ class BatchSplitter:
     def split_reset(self) -> None:
         """Mark every token unused and forget the output ids (done by init)."""
         self._require_batch("split_reset")
-        self._used = np.zeros(self._n, bool)
+        self._used = None
         self._n_used = 0
         self._out_ids = []
         self._hint = 0
 
     def _first_unused(self) -> int:
         """The first unused token (n if none).  Tokens before the hint are used, and stay used until
-        split_reset, so the search resumes there."""
+        split_reset, so the search resumes there (the decode step's split marks every token used by moving the
+        hint past them, without touching ``_used``)."""
         h, n, used = self._hint, self._n, self._used
-        if h < n and used[h]:
+        if used is not None and h < n and used[h]:
             free = (~used[h:]).nonzero()[0]
             h = h + int(free[0]) if free.shape[0] else n
             self._hint = h
         return h
+
+    def _used_mask(self) -> np.ndarray:
+        """bool [n]: the tokens the splits used since the reset, allocated when a split first marks one (None
+        before: the decode step's split never needs it)."""
+        used = self._used
+        if used is None:
+            used = self._used = np.zeros(self._n, bool)
+        return used
 
     @staticmethod
     def _check_n_ubatch(n_ubatch: int) -> int:
@@ -79,18 +92,21 @@ class BatchSplitter:
 
     def split_simple(self, n_ubatch: int) -> UBatch:
         """Up to n_ubatch tokens in batch order from the first unused one; sequence sets of any lengths."""
-        self._require_batch("split_simple")
-        n_ubatch = self._check_n_ubatch(n_ubatch)
+        if self._batch is None:
+            self._require_batch("split_simple")
+        if type(n_ubatch) is not int or n_ubatch < 0:
+            n_ubatch = self._check_n_ubatch(n_ubatch)
         h = self._first_unused()
         if h >= self._n:
             return _empty_ubatch()
         # as llama.cpp: the run after the first unused token is taken whole (always at least one token)
         k = max(1, min(n_ubatch, self._n - h))
-        self._used[h:h + k] = True
-        self._n_used += k
         seqs = self._seqs
-        if k == self._n == len(seqs) and not self._has_cpl:  # the decode step: one token of each of k sequences
+        if k == self._n == len(seqs) and not self._has_cpl and self.fast:  # the decode step: one token per sequence
+            self._n_used, self._hint = k, k
             return self._ubatch_decode(k, False)
+        self._used_mask()[h:h + k] = True
+        self._n_used += k
         # one sequence, or the whole batch without coupling: the ubatch has the batch's sequences
         unq = np.array(seqs, np.int32) if len(seqs) == 1 or (k == self._n and not self._has_cpl) else None
         return self._ubatch_span(h, k, k, False, unq)
@@ -114,20 +130,19 @@ class BatchSplitter:
         if len(self._seqs) == 1 and not self._has_cpl:
             # one sequence: one set whose unused tokens are h.., as many rounds as n_ubatch allows
             k = min(n - h, max(1, n_ubatch))
-            self._used[h:h + k] = True
+            self._used_mask()[h:h + k] = True
             self._n_used += k
             return self._ubatch_span(h, k, 1, True, np.array(self._seqs, np.int32))
-        if n == len(self._seqs) and not self._n_used and n <= n_ubatch and not self._has_cpl:
+        if n == len(self._seqs) and not self._n_used and n <= n_ubatch and not self._has_cpl and self.fast:
             # the decode step: one token of each of n sequences.  split_equal takes them all, in batch order, when
             # the scan below would: always, or (sequential) when the ids rise by one in batch order
             if not sequential or self._seq0_rise_by_one():
-                self._used[:] = True
-                self._n_used = n
+                self._n_used, self._hint = n, n
                 return self._ubatch_decode(n, True)
 
         self._ensure_groups()
         gorder, gstart, gsize = self._gorder, self._gstart, self._gsize
-        used = self._used
+        used = self._used_mask()
         n_used_g = np.bincount(self._gid[used], minlength=gsize.shape[0])
         lo = gstart + n_used_g  # each group's first unused member: its used members are a prefix
         rem = gsize - n_used_g
@@ -233,7 +248,7 @@ class BatchSplitter:
                 idxs = gorder[k:min(b, k + cap)]
         else:
             self._ensure_groups()
-            gid, used, gmask = self._gid, self._used, self._gmask
+            gid, used, gmask = self._gid, self._used_mask(), self._gmask
             g = int(gid[h])
             unq = None
             parts = [np.array([h], np.intp)]
@@ -259,7 +274,7 @@ class BatchSplitter:
                 p = int(cand[e])
                 g = int(gid[p])
             idxs = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        self._used[idxs] = True
+        self._used_mask()[idxs] = True
         self._n_used += idxs.shape[0]
         return self._ubatch_add(idxs, 1, True, unq)
 

@@ -29,7 +29,6 @@ _EMPTY_SEQ = _frozen(np.full((0, 1), -1, np.int32))
 _ONE_N_SEQ_ID = _frozen(np.ones(1, np.int32))
 _ONE_SEQ0 = _frozen(np.zeros((1, 1), np.int32))
 _ONE_OUT = _frozen(np.ones(1, np.int8))
-_NO_TOKENS = _frozen(np.zeros(0, bool))
 _TOKEN_IDS = _frozen(np.arange(LLAMA_MAX_SEQ))  # batch indices 0..n-1 of a decode step's tokens: _TOKEN_IDS[:n]
 _DECODE_SETS: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 

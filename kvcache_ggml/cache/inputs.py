@@ -31,6 +31,7 @@ from .types import SlotInfo
 __all__ = ["KVInputs", "host_array", "host_tensor"]
 
 _MASK_TYPES = (G.GGMLType.F32, G.GGMLType.F16)
+_I64 = (G.GGMLType.I64,)
 _NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i4", G.GGMLType.I64: "<i8"}
 _ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
 
@@ -88,23 +89,35 @@ class KVInputs:
         # offset of element j of a transposed V row in its stream: the per-step v_idxs input adds it to each cell
         self._v_elem_offs = np.arange(hparams.n_embd_v_gqa_max(), dtype=np.int64) * self.kv_size
         self.mask_rows = MaskRows(book)               # ready kq-mask rows, patched step to step
-        self._views: dict[tuple, np.ndarray] = {}     # (tensor header, ne) -> numpy view of its checked data
+        # per input tensor (by the identity of its pointer object, kept alive here): a live view of its struct's
+        # leading words, their values when its header was read, the header, and its checked data views
+        self._tensors: dict[int, tuple[Any, np.ndarray, bytes, tuple, dict]] = {}
+        # the mask rows need no window, ALiBi (nor, per ubatch, 2-D positions): ready rows may serve them
+        self._plain = book.swa_type == SwaType.NONE and not hparams.use_alibi
         self.fast = True  # fast paths on (the equivalence tests turn them off to compare with the full build)
 
+    def _entry(self, dst: Any) -> tuple[Any, np.ndarray, bytes, tuple, dict]:
+        """The cache entry of tensor ``dst``: its header (``G.header``) read again only when the words of its
+        struct changed since (a runtime fills the same input tensors step after step: one numpy call then)."""
+        ent = self._tensors.get(id(dst))
+        if ent is not None and ent[0] is dst and ent[1].tobytes() == ent[2]:
+            return ent
+        words = G.header_words(dst)
+        if len(self._tensors) >= 64:
+            self._tensors.clear()
+        ent = self._tensors[id(dst)] = (dst, words, words.tobytes(), G.header(dst), {})
+        return ent
+
     def _host(self, dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int],
-              header: tuple | None = None) -> np.ndarray:
-        """host_array(dst, types, ne), its view kept for the next call on the same memory with the same header
-        (the header holds the type, shape, strides, buffer and data pointer that host_array checks; whether
-        the buffer is in host memory is asked again)."""
-        header = header or G.header(dst)
-        view = self._views.get((header, ne))
-        if view is None or header[0] not in types:
-            view = host_array(dst, types, ne, header)
-            if len(self._views) >= 64:
-                self._views.clear()
-            self._views[(header, ne)] = view
-        elif header[3] and not G.ggml_backend_buffer_is_host(header[3]):
-            return host_array(dst, types, ne, header)  # raises: the buffer is no longer host memory
+              shape: tuple[int, ...], ent: tuple | None = None) -> np.ndarray:
+        """host_array(dst, types, ne) reshaped to ``shape``, the view kept while the tensor's header stays the same
+        (type, shape, strides, buffer and data pointer: everything host_array checks).  ``ent``: ``_entry(dst)``
+        when the caller has it."""
+        ent = ent or self._entry(dst)
+        views = ent[4]
+        view = views.get((types, ne, shape))
+        if view is None:
+            view = views[(types, ne, shape)] = host_array(dst, types, ne, ent[3]).reshape(shape)
         return view
 
     # ------------------------------------------------------------------ index inputs
@@ -112,8 +125,12 @@ class KVInputs:
     def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
         self._check_slot(ubatch, sinfo)
-        out = self._host(dst, (G.GGMLType.I64,), (ubatch.n_tokens, 1, 1, 1)).reshape(-1)
-        np.copyto(out, self._token_cells(sinfo))
+        n_tokens = ubatch.n_tokens
+        out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
+        if n_tokens == 1:  # the decode step of one sequence
+            out[0] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+        else:
+            np.copyto(out, self._token_cells(sinfo))
 
     def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens] (V rows), or with a transposed V one row per element:
@@ -121,12 +138,15 @@ class KVInputs:
         self._check_slot(ubatch, sinfo)
         n_tokens = ubatch.n_tokens
         if not self.v_trans:
-            out = self._host(dst, (G.GGMLType.I64,), (n_tokens, 1, 1, 1)).reshape(-1)
+            out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
             np.copyto(out, self._token_cells(sinfo))
             return
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]
-        out = self._host(dst, (G.GGMLType.I64,), (n_tokens * n_embd, 1, 1, 1)).reshape(n_tokens, n_embd)
+        out = self._host(dst, _I64, (n_tokens * n_embd, 1, 1, 1), (n_tokens, n_embd))
+        if n_tokens == 1:  # the decode step of one sequence
+            np.add(elem, sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd, out=out[0])
+            return
         base = self._token_cells(sinfo, stream_stride=self.kv_size * n_embd)  # [n_tokens]
         np.add(base[:, None], elem, out=out)
 
@@ -150,24 +170,28 @@ class KVInputs:
         """F32 or F16 [n_kv, n_tps, 1, n_stream]: 0 (or the ALiBi bias -|p0 - p1|) where token i may attend
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
         n_tokens = ubatch.n_tokens
-        header = G.header(dst)
-        n_kv, _, _, ns = header[1]
+        ent = self._entry(dst)
+        n_kv, _, _, ns = ent[3][1]
         if ns < 1 or n_tokens % ns:
             raise ValueError(f"kq mask {G.name(dst)!r}: ne[3] = {ns} streams do not split the ubatch's "
                              f"{n_tokens} tokens evenly")
         if n_kv > self.kv_size:
             raise ValueError(f"kq mask {G.name(dst)!r}: n_kv = ne[0] = {n_kv} exceeds the cache size "
                              f"{self.kv_size}")
-        out = self._host(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns), header)
-        if out.size == 0:
+        # row i = token i (stream s, token ii of it: i = s*n_tps + ii)
+        rows = self._host(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns), (n_tokens, n_kv), ent)
+        if rows.size == 0:
             return
-        rows = out.reshape(n_tokens, n_kv)  # row i = token i (stream s, token ii of it: i = s*n_tps + ii)
+        plain = self._plain and not ubatch.is_pos_2d()  # no window, ALiBi or 2-D positions
+        if plain and self.fast:  # ready rows (the decode step), unless a token needs its positions tested
+            if n_tokens == 1:
+                if self.mask_rows.write_one(rows[0], ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
+                    return
+            elif n_tokens <= LLAMA_MAX_SEQ and self.mask_rows.write(
+                    rows, ubatch.seq_id[:, 0].tolist(), ubatch.pos[:n_tokens].tolist(), bool(causal_attn)):
+                return
         book, alibi = self.book, bool(self.hparams.use_alibi)
         stream_of = book.stream_of
-        plain = book.swa_type == SwaType.NONE and not alibi and not ubatch.is_pos_2d()  # rows need no window
-        if plain and self.fast and n_tokens <= LLAMA_MAX_SEQ and self.mask_rows.write(
-                rows, ubatch.seq_id[:, 0].tolist(), ubatch.pos[:n_tokens].tolist(), bool(causal_attn)):
-            return
         if n_tokens == 1 and plain:
             seq_id = int(ubatch.seq_id[0, 0])
             mask_decode_row(rows[0], book.v_cells[stream_of[seq_id]], seq_id, int(ubatch.pos[0]), bool(causal_attn))
@@ -200,7 +224,7 @@ class KVInputs:
     # ------------------------------------------------------------------ helpers
 
     def _check_slot(self, ubatch: UBatch, sinfo: SlotInfo) -> None:
-        n = sinfo.size() * sinfo.n_stream() if not sinfo.empty() else 0
+        n = len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0
         if ubatch.n_tokens != n:
             raise RuntimeError(f"ubatch of {ubatch.n_tokens} tokens does not match its slot of "
                                f"{sinfo.n_stream()} streams x {sinfo.size() if n else 0} cells")

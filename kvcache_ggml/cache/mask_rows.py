@@ -9,13 +9,14 @@ the sequence test does not, and the row depends on the sequence bits alone: -inf
 
 :class:`MaskRows` keeps such a row per (stream, sequence) -- in one block per stream and mask type, as the integer
 bit patterns of the mask's float type -- and brings it up to date from the stream's change log
-(:meth:`KVCells.changes_since`): the cells whose sequence set changed since the last step are recomputed for every
-row of the block at once, and cells beyond what the rows cover yet are computed when ``n_kv`` grows.  A dropped log
-(a reset, or more changes than patching pays for) empties the block; rows are then rebuilt as tokens need them.
-Writing a token's row into the mask is one copy of ``n_kv`` values.  Memory is bounded (``budget`` bytes per
-block; the least recently used row gives way).  :meth:`KVInputs.set_input_kq_mask` uses it when every token of
-the ubatch qualifies and builds the mask in full (:mod:`.masks`) otherwise; the bytes are the same
-(tests/test_mask_rows.py checks them against the full build on random traces).
+(:class:`~kvcache_ggml.cellindex.ChangeLog`, ``KVCells.change_log``): the cells whose sequence set changed since the
+last write are recomputed for every row of the block at once (a few cells with scalar Python), and cells beyond
+what the rows cover yet are computed when ``n_kv`` grows.  A dropped log (a reset, or more changes than patching
+pays for) empties the block; rows are then rebuilt as tokens need them.  Writing a token's row into the mask is one
+copy of ``n_kv`` values.  Memory is bounded (``budget`` bytes per block; the least recently used row gives way).
+
+:meth:`KVInputs.set_input_kq_mask` uses it when every token of the ubatch qualifies and builds the mask in full
+(:mod:`.masks`) otherwise, with the same bytes (tests/test_decode_fast_path.py compares both on random traces).
 """
 from __future__ import annotations
 
@@ -45,12 +46,14 @@ def _cells_of(changes: list) -> np.ndarray:
 
 class _Block:
     """The ready rows of one stream for one mask type: row r is the mask row of sequence ``seqs[r]`` over the
-    cells [0, n_valid), as of the stream's change-log position ``mark``."""
+    cells [0, n_valid), as of entry ``seen`` of the stream's change log in its epoch ``epoch``."""
 
-    __slots__ = ("cells", "itype", "neg", "cap", "rows", "seqs", "row_of", "used", "n_valid", "mark", "tick")
+    __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "seqs", "row_of", "used", "n_valid", "epoch", "seen",
+                 "arrays_seen", "tick")
 
     def __init__(self, cells: KVCells, itype: type, neg: np.integer, budget: int) -> None:
         self.cells = cells                                  # the stream's cells
+        self.log = cells.change_log                         # ... and their change log
         self.itype = itype                                  # integer type with the mask's bit pattern
         self.neg = neg                                      # -inf as that integer
         self.cap = max(1, budget // (cells.size() * np.dtype(itype).itemsize))  # rows the budget allows
@@ -59,28 +62,38 @@ class _Block:
         self.row_of: dict[int, int] = {}                    # sequence -> its row
         self.used: list[int] = []                           # tick of each row's last use (LRU)
         self.n_valid = 0                                    # rows are exact over cells [0, n_valid)
-        self.mark = cells.change_mark()                     # change-log position the rows reflect
+        self.epoch = -1                                     # the log's epoch the rows belong to (none yet)
+        self.seen = 0                                       # log entries the rows reflect
+        self.arrays_seen = 0                                # ... of which arrays (the log's n_arrays then)
         self.tick = 0                                       # writes so far (a row's last use is one of them)
 
     def sync(self, n_kv: int) -> None:
         """Bring every row up to date over cells [0, max(n_valid, n_kv)), for a new write."""
         self.tick += 1
-        cells = self.cells
-        changes = cells.changes_since(self.mark)
-        self.mark = cells.change_mark()
-        if changes is None or (changes and self.seqs and not self._patch(changes)):
+        log = self.log
+        entries = log.entries
+        if log.epoch != self.epoch:
+            self.epoch = log.epoch
             self.clear(n_kv)
-            return
+        elif len(entries) > self.seen and self.seqs and not self._patch(entries[self.seen:],
+                                                                          log.n_arrays == self.arrays_seen):
+            self.clear(n_kv)
+        self.seen, self.arrays_seen = len(entries), log.n_arrays
         if n_kv > self.n_valid:
             if self.seqs:
                 self._fill(slice(self.n_valid, n_kv))
             self.n_valid = n_kv
 
-    def _patch(self, changes: list) -> bool:
+    def _patch(self, changes: list, ints_only: bool) -> bool:
         """Recompute the changed cells of every row; False when so many changed that rebuilding pays."""
         n = self.n_valid
-        if len(changes) * len(self.seqs) <= _FEW and all(type(c) is int for c in changes):
-            self._fill_few([c for c in changes if c < n])
+        if ints_only and len(changes) * len(self.seqs) <= _FEW:  # the decode step: a cell or two, scalar Python
+            bits, rows, neg = self.cells.seq_bits, self.rows, self.neg
+            for r, s in enumerate(self.seqs):
+                w, b = s >> 6, s & 63
+                for j in changes:
+                    if j < n:
+                        rows[r, j] = 0 if bits.item(w, j) >> b & 1 else neg
             return True
         ch = _cells_of(changes)
         ch = ch[ch < n]
@@ -142,34 +155,41 @@ class _Block:
             hidden = (bits[words[:, None], cols[None, :]] & bit) == 0   # [n_rows, n_cols]
             self.rows[:n_rows, cols] = hidden * self.neg
 
-    def _fill_few(self, cells: list[int]) -> None:
-        """_fill of a few cells (ints), with scalar Python: the decode step's changes."""
-        bits, rows, neg = self.cells.seq_bits, self.rows, self.neg
-        for r, s in enumerate(self.seqs):
-            w, b = s >> 6, s & 63
-            for j in cells:
-                rows[r, j] = 0 if bits.item(w, j) >> b & 1 else neg
-
 
 class MaskRows:
-    """The ready rows of every stream, per mask type; :meth:`write` fills a mask from them."""
+    """The ready rows of every stream, per mask type; :meth:`write_one` and :meth:`write` fill a mask from them.
+
+    Both return False (the caller then builds the mask in full) when a causal token's position is below its
+    sequence's largest one (the row needs the position test), when a sequence holds a cell at position -1 (a token
+    placed there: the cell is empty to llama.cpp, and the position multisets may disagree with the bits), or when
+    the tokens need more rows than the budget holds."""
 
     def __init__(self, book: KVBookkeeping, budget: int = _BUDGET) -> None:
         self.book = book                                  # the cells the rows are derived from
         self.budget = budget                              # bytes per block
         self._blocks: dict[tuple[int, type], _Block] = {}  # (stream, integer type) -> rows
 
+    def write_one(self, row: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
+        """Fill the mask row ``row`` [n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
+        strm = self.book.stream_of[seq_id]
+        lo, hi = self.book.v_cells[strm].seq_pos_bounds(seq_id)
+        if lo < 0 or (causal and hi > p1):
+            return False
+        itype, neg = NEG_INF_BITS[row.dtype]
+        n_kv = row.shape[0]
+        block = self._block(strm, itype, neg, n_kv)
+        r = block.row(seq_id)  # (never None: the least recently used row served an earlier write)
+        np.copyto(row.view(itype), block.rows[r, :n_kv])
+        return True
+
     def write(self, rows: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
         """Fill the mask rows ``rows`` [n_tokens, n_kv] (float32 or float16) of tokens of sequences ``seq_ids`` at
-        positions ``pos`` from the ready rows; False (nothing written) when a causal token's position is below its
-        sequence's largest one (the row then needs the position test), when a sequence holds a cell at position -1
-        (a token placed there: the cell is empty to llama.cpp, and the position multisets may disagree with the
-        bits), or when the tokens need more rows than the budget holds: the caller then builds the mask in full."""
+        positions ``pos``."""
         book = self.book
         stream_of, v_cells = book.stream_of, book.v_cells
         for s, p in zip(seq_ids, pos):
-            cells = v_cells[stream_of[s]]
-            if (causal and cells.seq_pos_max(s) > p) or cells.seq_pos_min(s) < 0:
+            lo, hi = v_cells[stream_of[s]].seq_pos_bounds(s)
+            if lo < 0 or (causal and hi > p):
                 return False
         itype, neg = NEG_INF_BITS[rows.dtype]
         out = rows.view(itype)
@@ -179,10 +199,7 @@ class MaskRows:
             rs = [block.row(s) for s in seq_ids]
             if None in rs:
                 return False
-            if len(rs) == 1:
-                np.copyto(out[0], block.rows[rs[0], :n_kv])
-            else:
-                np.take(block.rows[:, :n_kv], rs, axis=0, out=out)
+            np.take(block.rows[:, :n_kv], rs, axis=0, out=out)
             return True
         synced = {}
         for i, s in enumerate(seq_ids):
