@@ -6,6 +6,31 @@
 
 extern "C" {
 
+// fill: n tokens of sequence seq at positions pos0.. (ubatches of n_ubatch), bookkeeping only (no mask copies:
+// kvo_decode keeps every ubatch's mask, far too slow for a cache of 131072 cells); returns 0, or <0 on failure
+int kvo_fill(void * p, int seq, int pos0, int n, int n_ubatch) {
+    auto * h = (kvo *) p;
+    llama_batch b = llama_batch_init(n, 0, 1);
+    b.n_tokens = n;
+    for (int i = 0; i < n; ++i) {
+        b.token[i] = 3; b.pos[i] = pos0 + i; b.n_seq_id[i] = 1; b.seq_id[i][0] = seq; b.logits[i] = i == n - 1;
+    }
+    llama_batch_allocr balloc(1);
+    int rc = 0;
+    if (!balloc.init(b, h->model->vocab, h->kv.get(), h->model->hparams.n_embd, h->n_seq_max, false)) {
+        rc = -1;
+    } else {
+        auto ctx = h->kv->init_batch(balloc, n_ubatch, false);
+        if (ctx->get_status() != LLAMA_MEMORY_STATUS_SUCCESS) {
+            rc = -2;
+        } else {
+            do { ctx->apply(); } while (ctx->next());
+        }
+    }
+    llama_batch_free(b);
+    return rc;
+}
+
 // iters x (balloc.init + init_batch + apply; level >= 1: + set_input_k_idxs/v_idxs; level >= 2: + kq mask),
 // each undone with seq_rm(s, pos[s], -1) for every sequence; returns ns per step.
 double kvo_time_step_multi(void * p, int n_seq, const int32_t * pos, int iters, int level) {
