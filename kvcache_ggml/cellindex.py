@@ -258,44 +258,61 @@ class UsedRange:
 
 
 class ChangeLog:
-    """The cells whose sequence set changed (a sequence joined or left them, or they were emptied), in order.
+    """The cells whose sequence set changed, in three kinds of entries, for readers that keep something derived
+    from the sequence bits (the kq mask rows of :mod:`kvcache_ggml.cache.mask_rows`).
 
-    A reader keeps, next to what it derived from the cells, the ``epoch`` and how many ``entries`` it has seen, and
-    later reads the entries logged since: Python ints (one cell) or int64 arrays (``n_arrays`` counts those), cells
-    possibly repeated.  A new epoch means the entries were dropped in between -- by a wholesale change (a reset), or
-    because they grew past ``max_cells`` array cells or ``max_entries`` entries, when patching would cost about a
-    rebuild -- and the reader then rebuilds.  Logging costs a list append; nothing is kept for readers that never
-    come.
+    * ``one_cells``/``one_seqs`` (parallel lists of ints): cell ``one_cells[k]`` gained or lost sequence
+      ``one_seqs[k]`` and no other (the decode step's placements and undos);
+    * ``seq_changes``: (int64 cells, sequence) -- the cells gained or lost that sequence and no other; the sequence
+      is an int, or an int32 array with one sequence per cell;
+    * ``arrays``: int64 cells whose sets changed in any way (emptied, restored, ...): every sequence may differ.
+
+    Cells may repeat and entries are not ordered across kinds: a reader recomputes what it derived from the cells'
+    current bits.  It keeps the ``epoch`` and how many entries of each kind it has seen, and reads the entries
+    logged since.  A new epoch means the entries were dropped in between -- by a wholesale change (a reset), or
+    because the array entries grew past ``max_cells`` cells or a list past ``max_entries`` entries (patching would
+    then cost about a rebuild) -- and the reader rebuilds.  Logging costs an append; nothing is kept for readers
+    that never come.
     """
 
-    __slots__ = ("entries", "n_cells", "n_arrays", "epoch", "max_cells", "max_entries")
+    __slots__ = ("one_cells", "one_seqs", "seq_changes", "arrays", "n_cells", "epoch", "max_cells", "max_entries")
 
     def __init__(self, max_cells: int, max_entries: int = 512) -> None:
-        self.entries: list[int | np.ndarray] = []  # changed cells, one int or int64 array per change
-        self.n_cells = 0                            # cells in the arrays of ``entries`` (with repeats)
-        self.n_arrays = 0                           # entries that are arrays (ever: readers compare counts)
+        self.one_cells: list[int] = []              # a cell that gained or lost one sequence...
+        self.one_seqs: list[int] = []               # ... that sequence
+        self.seq_changes: list[tuple[np.ndarray, int | np.ndarray]] = []  # (cells, their one changed sequence(s))
+        self.arrays: list[np.ndarray] = []          # cells changed in any way
+        self.n_cells = 0                            # cells in ``seq_changes`` and ``arrays`` (with repeats)
         self.epoch = 0                              # bumped when the entries are dropped
-        self.max_cells = max_cells                  # drop the entries beyond this many cells...
-        self.max_entries = max_entries              # ... or this many entries
+        self.max_cells = max_cells                  # drop the entries beyond this many array cells...
+        self.max_entries = max_entries              # ... or this many entries of a kind
 
-    def add(self, idxs: np.ndarray) -> None:
-        """The cells ``idxs`` (int64) changed."""
-        self.entries.append(idxs)
-        self.n_arrays += 1
-        self.n_cells += idxs.size
-        if self.n_cells > self.max_cells or len(self.entries) > self.max_entries:
+    def add_one(self, i: int, seq_id: int) -> None:
+        """Cell ``i`` gained or lost sequence ``seq_id``, and nothing else changed in it."""
+        cells = self.one_cells
+        cells.append(i)
+        self.one_seqs.append(seq_id)
+        if len(cells) > self.max_entries:
             self.drop()
 
-    def add_one(self, i: int) -> None:
-        """Cell ``i`` changed (counted as an entry only: ``n_cells`` bounds the arrays)."""
-        entries = self.entries
-        entries.append(i)
-        if len(entries) > self.max_entries:
+    def add_seq(self, idxs: np.ndarray, seq_ids: int | np.ndarray) -> None:
+        """The cells ``idxs`` (int64) gained or lost sequence ``seq_ids`` (or each its own, int32 array), and
+        nothing else changed in them."""
+        self.seq_changes.append((idxs, seq_ids))
+        self._count(idxs.size, len(self.seq_changes))
+
+    def add(self, idxs: np.ndarray) -> None:
+        """The cells ``idxs`` (int64) changed in any way (any sequence may have joined or left them)."""
+        self.arrays.append(idxs)
+        self._count(idxs.size, len(self.arrays))
+
+    def _count(self, n: int, entries: int) -> None:
+        self.n_cells += n
+        if self.n_cells > self.max_cells or entries > self.max_entries:
             self.drop()
 
     def drop(self) -> None:
-        """Forget the entries: every reader's mark becomes stale (a wholesale change, or too many entries)."""
-        self.entries = []
+        """Forget the entries: every reader's position becomes stale (a wholesale change, or too many entries)."""
+        self.one_cells, self.one_seqs, self.seq_changes, self.arrays = [], [], [], []
         self.n_cells = 0
         self.epoch += 1
-

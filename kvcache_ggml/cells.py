@@ -172,10 +172,15 @@ class KVCells(OneCellAPI):
         ms = self._seq_pos.get(seq_id)
         return ms.keys[-1] if ms else -1
 
-    def seq_pos_bounds(self, seq_id: int) -> tuple[int, int]:
-        """(seq_pos_min, seq_pos_max) in one call."""
-        ms = self._seq_pos.get(seq_id)
-        return (ms.keys[0], ms.keys[-1]) if ms else (-1, -1)
+    def seq_pos_within(self, seq_ids: list[int], his: list[int] | None) -> bool:
+        """Every sequence of ``seq_ids`` holds cells, all at positions in [0, his[k]] (in [0, inf) when ``his`` is
+        None): the kq mask rows of its tokens then need no position test."""
+        get = self._seq_pos.get
+        for k, s in enumerate(seq_ids):
+            ms = get(s)
+            if ms is None or ms.keys[0] < 0 or (his is not None and ms.keys[-1] > his[k]):
+                return False
+        return True
 
     # ------------------------------------------------------------------ vectorised queries
 
@@ -322,7 +327,7 @@ class KVCells(OneCellAPI):
         if emptied.size:
             self._clear_cells(emptied)
             self._used.erase(emptied)
-        self._log.add(idxs)
+        self._log.add_seq(idxs, seq_id)  # (an emptied cell held only seq_id)
         return emptied
 
     def seq_rm_last(self, seq_id: int, p0: int, p1: int) -> int | None:
@@ -333,27 +338,26 @@ class KVCells(OneCellAPI):
         ms = self._seq_pos.get(seq_id)  # (a sequence without cells has no multiset)
         if ms is None:
             return None
-        keys, counts = ms.keys, ms.counts
+        keys = ms.keys
         p = keys[-1]
-        if not p0 <= p < p1 or counts[-1] != 1 or (len(keys) > 1 and keys[-2] >= p0):
+        if p < p0 or p >= p1 or ms.counts[-1] != 1 or (len(keys) > 1 and keys[-2] >= p0):
             return None
         # one cell of the sequence holds p: if the hinted cell holds the sequence at p, it is that cell
         i = self._newest.get(seq_id, -1)
-        if i < 0:
+        if i < 0 or self._pos.item(i) != p:
             return None
-        w, b = seq_id >> 6, seq_id & 63
-        word = self._seq.item(w, i)
-        if self._pos.item(i) != p or not word >> b & 1:
+        seq, w, bit = self._seq, seq_id >> 6, 1 << (seq_id & 63)
+        word = seq.item(w, i)
+        if not word & bit:
             return None
         keys.pop()  # ms.dec(p) of the largest position, held once
-        counts.pop()
+        ms.counts.pop()
         if not keys:
             del self._seq_pos[seq_id]
-        rest = word ^ (1 << b)
-        seq = self._seq
-        seq[w, i] = rest
-        self._log.add_one(i)
-        if rest or seq.item(0, i) or seq.item(1, i) or seq.item(2, i) or seq.item(3, i):  # (SEQ_WORDS words)
+        word ^= bit
+        seq[w, i] = word
+        self._log.add_one(i, seq_id)
+        if word or seq.item(0, i) or seq.item(1, i) or seq.item(2, i) or seq.item(3, i):  # (SEQ_WORDS words)
             return -1
         self._pos[i] = -1
         self._ext[i, 0] = 0
@@ -383,7 +387,7 @@ class KVCells(OneCellAPI):
         """Add ``seq_id`` to the (non-empty) cells ``idxs``, none of which holds it yet."""
         self._seq[seq_id >> 6, idxs] |= _BIT[seq_id & 63]
         self._ms(seq_id).update(self._pos[idxs], +1)
-        self._log.add(idxs)
+        self._log.add_seq(idxs, seq_id)
 
     def pos_add_many(self, idxs: np.ndarray, d: int | np.ndarray) -> np.ndarray:
         """Shift the (non-empty) cells ``idxs`` by ``d`` (one value or one per cell); returns the cells emptied
@@ -437,11 +441,16 @@ class KVCells(OneCellAPI):
                 return
             if col.size <= LLAMA_MAX_SEQ:  # the decode step of several sequences: one bit per cell at once
                 self._seq[col >> 6, idxs] |= _ONE << (col & 63).astype(np.uint64)
-                newest = self._newest
+                newest, seq_pos = self._newest, self._seq_pos
                 for s, p, i in zip(col.tolist(), pos.tolist(), idxs.tolist()):
-                    self._ms(s).inc(p)
+                    ms = seq_pos.get(s)
+                    if ms is not None and p > ms.keys[-1]:  # ms.inc(p) past the largest position
+                        ms.keys.append(p)
+                        ms.counts.append(1)
+                    else:
+                        self._ms(s).inc(p)
                     newest[s] = i
-                self._log.add(idxs)
+                self._log.add_seq(idxs, col if not col.flags.writeable else col.copy())
                 return
         for s in np.unique(seq_ids[seq_ids >= 0]).tolist():
             self.seq_add_many(idxs[(seq_ids == s).any(axis=1)], s)
@@ -458,7 +467,7 @@ class KVCells(OneCellAPI):
             ms.counts.append(1)
         else:
             self._ms(s).inc(p)
-        self._log.add_one(i)
+        self._log.add_one(i, s)
         self._newest[s] = i
 
     # ------------------------------------------------------------------ consistency

@@ -89,10 +89,14 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
         return False
     if n_vocab <= 0 or np.count_nonzero(token.view(np.uint32) >= n_vocab):
         return False
-    mem = {s: -1 for s in seqs} if memory is None else {s: int(memory.seq_pos_max(s)) for s in seqs}
+    if memory is None:
+        mems = [-1] * n
+    else:
+        seq_pos_max = memory.seq_pos_max
+        mems = [int(seq_pos_max(s)) for s in ids]  # the memory's last position of each token's sequence
     pos_all = batch.pos
     if pos_all is None:
-        plist = [mem[s] + 1 for s in ids]
+        plist = [m + 1 for m in mems]
         if max(plist) > INT32_MAX:
             return False
         pos_all = pos0 = np.array(plist, np.int32)
@@ -102,8 +106,8 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
         pos0 = pos_all[:n]
         plist = pos0.tolist()
     # each sequence continues the memory, and no position is below -1 (else: the general path's errors)
-    for s, p in zip(ids, plist):
-        if p < -1 or (mem[s] >= 0 and p != mem[s] + 1):
+    for m, p in zip(mems, plist):
+        if p < -1 or (m >= 0 and p != m + 1):
             return False
     output = batch.logits
     if output is None:
@@ -117,7 +121,6 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
         n_outputs = int(np.count_nonzero(output))
         if output_all and n_outputs < n:
             return False  # the general path warns and overrides
-    at = dict(zip(ids, plist))
     ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], batch.n_seq_id, False, seqs, None,
-               {s: (at[s], at[s], 1) for s in seqs}, output, n_outputs)
+               {s: (p, p, 1) for s, p in zip(ids, plist)}, output, n_outputs)
     return True

@@ -387,8 +387,9 @@ class KVBookkeeping:
             self.v_heads[st] = i + 1
             return True
         if len(sinfo.idxs[0]) != 1:
-            if any(np.count_nonzero(v_cells[st].pos_array[idx] >= 0) for st, idx in zip(sinfo.strm, sinfo.idxs)):
-                return False
+            for st, idx in zip(sinfo.strm, sinfo.idxs):
+                if np.count_nonzero(v_cells[st].pos_array[idx] >= 0):
+                    return False
             n = len(sinfo.idxs[0])
             for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
                 v_cells[st].place(idx, ubatch.pos[s * n:(s + 1) * n], ubatch.seq_id[s * n:(s + 1) * n])

@@ -234,7 +234,9 @@ class KVInputs:
         stride = self.kv_size if stream_stride is None else stream_stride
         if len(sinfo.idxs) == 1:
             return sinfo.idxs[0] + sinfo.strm[0] * stride if sinfo.strm[0] else sinfo.idxs[0]
-        return np.concatenate([idx + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)])
+        cells = np.concatenate(sinfo.idxs)
+        cells += np.repeat(np.multiply(sinfo.strm, stride, dtype=np.int64), len(sinfo.idxs[0]))
+        return cells
 
 
 @contextlib.contextmanager

@@ -9,9 +9,9 @@ the sequence test does not, and the row depends on the sequence bits alone: -inf
 
 :class:`MaskRows` keeps such a row per (stream, sequence) -- in one block per stream and mask type, as the integer
 bit patterns of the mask's float type -- and brings it up to date from the stream's change log
-(:class:`~kvcache_ggml.cellindex.ChangeLog`, ``KVCells.change_log``): the cells whose sequence set changed since the
-last write are recomputed for every row of the block at once (a few cells with scalar Python), and cells beyond
-what the rows cover yet are computed when ``n_kv`` grows.  A dropped log (a reset, or more changes than patching
+(:class:`~kvcache_ggml.cellindex.ChangeLog`, ``KVCells.change_log``): a cell that gained or lost one sequence is
+recomputed in that sequence's row only (scalar Python for the decode step's single cells), other changed cells in
+every row of the block at once, and cells beyond what the rows cover yet are computed when ``n_kv`` grows.  A dropped log (a reset, or more changes than patching
 pays for) empties the block; rows are then rebuilt as tokens need them.  Writing a token's row into the mask is one
 copy of ``n_kv`` values.  Memory is bounded (``budget`` bytes per block; the least recently used row gives way).
 
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._consts import LLAMA_MAX_SEQ
+from ..cellindex import ChangeLog
 from ..cells import KVCells
 from .bookkeeping import KVBookkeeping
 from .masks import NEG_INF_BITS
@@ -30,26 +32,16 @@ __all__ = ["MaskRows"]
 
 _BUDGET = 64 << 20       # bytes of ready rows per block (stream and mask type)
 _PATCH_MAX = 0.125       # patch at most this share of the covered cells; beyond, rebuild the rows that are needed
-_FEW = 8                 # (changed cells) x (rows) patched with scalar Python
-
-
-def _cells_of(changes: list) -> np.ndarray:
-    """int64 cells of change-log entries (ints and int64 arrays), repeats kept."""
-    ints = [c for c in changes if type(c) is int]
-    if len(ints) == len(changes):
-        return np.array(ints, np.int64)
-    arrays = [c for c in changes if type(c) is not int]
-    if ints:
-        arrays.append(np.array(ints, np.int64))
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+_FEW = 16                # changes of at most this many cells are patched with scalar Python
 
 
 class _Block:
     """The ready rows of one stream for one mask type: row r is the mask row of sequence ``seqs[r]`` over the
-    cells [0, n_valid), as of entry ``seen`` of the stream's change log in its epoch ``epoch``."""
+    cells [0, n_valid), as of the first ``seen`` entries (of each kind) of the stream's change log in its epoch
+    ``epoch``."""
 
-    __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "seqs", "row_of", "used", "n_valid", "epoch", "seen",
-                 "arrays_seen", "tick")
+    __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "seqs", "row_of", "row_map", "used", "n_valid",
+                 "epoch", "seen", "tick")
 
     def __init__(self, cells: KVCells, itype: type, neg: np.integer, budget: int) -> None:
         self.cells = cells                                  # the stream's cells
@@ -60,51 +52,69 @@ class _Block:
         self.rows = np.empty((min(self.cap, 8), cells.size()), itype)  # [size, n_rows] bit patterns
         self.seqs: list[int] = []                           # sequence of each row
         self.row_of: dict[int, int] = {}                    # sequence -> its row
+        self.row_map = np.full(LLAMA_MAX_SEQ, -1, np.int32)  # the same as an array (-1: no row)
         self.used: list[int] = []                           # tick of each row's last use (LRU)
         self.n_valid = 0                                    # rows are exact over cells [0, n_valid)
         self.epoch = -1                                     # the log's epoch the rows belong to (none yet)
-        self.seen = 0                                       # log entries the rows reflect
-        self.arrays_seen = 0                                # ... of which arrays (the log's n_arrays then)
+        self.seen = (0, 0, 0)                               # log entries the rows reflect, per kind
         self.tick = 0                                       # writes so far (a row's last use is one of them)
 
     def sync(self, n_kv: int) -> None:
         """Bring every row up to date over cells [0, max(n_valid, n_kv)), for a new write."""
         self.tick += 1
         log = self.log
-        entries = log.entries
         if log.epoch != self.epoch:
             self.epoch = log.epoch
             self.clear(n_kv)
-        elif len(entries) > self.seen and self.seqs and not self._patch(entries[self.seen:],
-                                                                          log.n_arrays == self.arrays_seen):
+        elif self.seqs and not self._patch(log):
             self.clear(n_kv)
-        self.seen, self.arrays_seen = len(entries), log.n_arrays
+        self.seen = (len(log.one_cells), len(log.seq_changes), len(log.arrays))
         if n_kv > self.n_valid:
             if self.seqs:
                 self._fill(slice(self.n_valid, n_kv))
             self.n_valid = n_kv
 
-    def _patch(self, changes: list, ints_only: bool) -> bool:
-        """Recompute the changed cells of every row; False when so many changed that rebuilding pays."""
+    def _patch(self, log: ChangeLog) -> bool:
+        """Recompute what the entries logged since ``seen`` changed: a single (cell, sequence) change touches that
+        sequence's row only (scalar Python: the decode step), cells of one changed sequence each its row, other
+        changes every row.  False when so many cells changed that rebuilding the rows pays."""
+        n_ones, n_seq, n_arrays = self.seen
         n = self.n_valid
-        if ints_only and len(changes) * len(self.seqs) <= _FEW:  # the decode step: a cell or two, scalar Python
-            bits, rows, neg = self.cells.seq_bits, self.rows, self.neg
-            for r, s in enumerate(self.seqs):
-                w, b = s >> 6, s & 63
-                for j in changes:
-                    if j < n:
-                        rows[r, j] = 0 if bits.item(w, j) >> b & 1 else neg
-            return True
-        ch = _cells_of(changes)
-        ch = ch[ch < n]
-        if ch.size > _PATCH_MAX * n:
-            return False
-        if ch.size:
-            self._fill(ch)
+        bits, rows, neg = self.cells.seq_bits, self.rows, self.neg
+        if len(log.arrays) > n_arrays:
+            arrays = log.arrays[n_arrays:]
+            ch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            ch = ch[ch < n]
+            if ch.size > _PATCH_MAX * n:
+                return False
+            if ch.size:
+                self._fill(ch)
+        one_cells, one_seqs = log.one_cells[n_ones:], log.one_seqs[n_ones:]
+        for idxs, s in log.seq_changes[n_seq:]:
+            if idxs.size <= _FEW:  # a few cells: with the single ones below
+                one_cells += idxs.tolist()
+                one_seqs += [s] * idxs.size if type(s) is int else s.tolist()
+            elif type(s) is int:
+                r = self.row_of.get(s)
+                if r is not None:
+                    cols = idxs[idxs < n]
+                    rows[r, cols] = ((bits[s >> 6, cols] & np.uint64(1 << (s & 63))) == 0) * neg
+            else:  # one sequence per cell
+                r = self.row_map[s]
+                sel = (r >= 0) & (idxs < n)
+                cols, s = idxs[sel], s[sel]
+                rows[r[sel], cols] = (((bits[s >> 6, cols] >> (s & 63).astype(np.uint64)) & 1) == 0) * neg
+        row_of = self.row_of
+        for s, i in dict.fromkeys(zip(one_seqs, one_cells)):  # each (sequence, cell) once
+            r = row_of.get(s)
+            if r is not None and i < n:
+                rows[r, i] = 0 if bits.item(s >> 6, i) >> (s & 63) & 1 else neg
         return True
 
     def clear(self, n_kv: int) -> None:
         """Forget every row; rows added next cover [0, n_kv)."""
+        if self.seqs:
+            self.row_map[self.seqs] = -1
         self.seqs, self.row_of, self.used = [], {}, []
         self.n_valid = n_kv
 
@@ -134,8 +144,10 @@ class _Block:
             if self.used[r] == self.tick:
                 return None
             del self.row_of[self.seqs[r]]
+            self.row_map[self.seqs[r]] = -1
             self.seqs[r] = seq_id
         self.row_of[seq_id] = r
+        self.row_map[seq_id] = r
         n = self.n_valid
         hidden = self.cells.seq_absent(seq_id, n)                      # [n_valid] bool
         np.multiply(hidden, self.neg, out=self.rows[r, :n])
@@ -161,8 +173,8 @@ class MaskRows:
 
     Both return False (the caller then builds the mask in full) when a causal token's position is below its
     sequence's largest one (the row needs the position test), when a sequence holds a cell at position -1 (a token
-    placed there: the cell is empty to llama.cpp, and the position multisets may disagree with the bits), or when
-    the tokens need more rows than the budget holds."""
+    placed there: the cell is empty to llama.cpp, and the position multisets may disagree with the bits) or no cell,
+    or when the tokens need more rows than the budget holds."""
 
     def __init__(self, book: KVBookkeeping, budget: int = _BUDGET) -> None:
         self.book = book                                  # the cells the rows are derived from
@@ -172,8 +184,7 @@ class MaskRows:
     def write_one(self, row: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
         """Fill the mask row ``row`` [n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
         strm = self.book.stream_of[seq_id]
-        lo, hi = self.book.v_cells[strm].seq_pos_bounds(seq_id)
-        if lo < 0 or (causal and hi > p1):
+        if not self.book.v_cells[strm].seq_pos_within([seq_id], [p1] if causal else None):
             return False
         itype, neg = NEG_INF_BITS[row.dtype]
         n_kv = row.shape[0]
@@ -187,19 +198,29 @@ class MaskRows:
         positions ``pos``."""
         book = self.book
         stream_of, v_cells = book.stream_of, book.v_cells
-        for s, p in zip(seq_ids, pos):
-            lo, hi = v_cells[stream_of[s]].seq_pos_bounds(s)
-            if lo < 0 or (causal and hi > p):
+        if book.n_stream == 1:
+            if not v_cells[0].seq_pos_within(seq_ids, pos if causal else None):
                 return False
+        elif not all(v_cells[stream_of[s]].seq_pos_within([s], [p] if causal else None)
+                     for s, p in zip(seq_ids, pos)):
+            return False
         itype, neg = NEG_INF_BITS[rows.dtype]
         out = rows.view(itype)
         n_kv = out.shape[1]
         if book.n_stream == 1:
             block = self._block(0, itype, neg, n_kv)
-            rs = [block.row(s) for s in seq_ids]
-            if None in rs:
-                return False
-            np.take(block.rows[:, :n_kv], rs, axis=0, out=out)
+            rs = list(map(block.row_of.get, seq_ids))
+            if None in rs:  # some row has to be built
+                rs = [block.row(s) for s in seq_ids]
+                if None in rs:
+                    return False
+            else:
+                used, tick = block.used, block.tick
+                for r in rs:
+                    used[r] = tick
+            rows_all = block.rows
+            for i, r in enumerate(rs):  # (np.take would first copy every row of the strided [:, :n_kv] view)
+                np.copyto(out[i], rows_all[r, :n_kv])
             return True
         synced = {}
         for i, s in enumerate(seq_ids):
