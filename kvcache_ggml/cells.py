@@ -172,6 +172,11 @@ class KVCells(OneCellAPI):
         ms = self._seq_pos.get(seq_id)
         return ms.keys[-1] if ms else -1
 
+    def seq_pos_bounds(self, seq_id: int) -> tuple[int, int]:
+        """(seq_pos_min, seq_pos_max) in one call."""
+        ms = self._seq_pos.get(seq_id)
+        return (ms.keys[0], ms.keys[-1]) if ms is not None else (-1, -1)
+
     def seq_pos_within(self, seq_ids: list[int], his: list[int] | None) -> bool:
         """Every sequence of ``seq_ids`` holds cells, all at positions in [0, his[k]] (in [0, inf) when ``his`` is
         None): the kq mask rows of its tokens then need no position test."""

@@ -29,14 +29,16 @@ validated batch and split_simple/split_equal/split_seq), ``_allocator`` (BatchAl
 getters).  Import from ``kvcache_ggml.batch``.
 
 Errors: ``ValueError`` for bad input (llama.cpp logs and returns false), ``RuntimeError`` for misuse (splitting
-without a batch), ``assert`` for internal invariants.  ``LLAMA_BATCH_DEBUG`` (read once per allocator) logs the
-batch and every ubatch through ``logging.getLogger("kvcache_ggml.batch")`` at DEBUG level.
+without a batch), ``assert`` for internal invariants.  ``LLAMA_BATCH_DEBUG`` (read once per process, again with
+``read_debug_env()``) logs the batch and every ubatch through ``logging.getLogger("kvcache_ggml.batch")`` at DEBUG
+level.
 """
 
 from .._consts import LLAMA_MAX_SEQ
-from ._allocator import BatchAllocator, MemoryPositions
+from ._allocator import BatchAllocator, MemoryPositions, read_debug_env
 from ._input import Batch
 from ._split import BatchSplitter
 from ._ubatch import UBatch
 
-__all__ = ["LLAMA_MAX_SEQ", "Batch", "UBatch", "BatchAllocator", "BatchSplitter", "MemoryPositions"]
+__all__ = ["LLAMA_MAX_SEQ", "Batch", "UBatch", "BatchAllocator", "BatchSplitter", "MemoryPositions",
+           "read_debug_env"]

@@ -30,6 +30,18 @@ _Groups = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
 # per present sequence: (smallest position, largest position, number of distinct positions) in the batch
 _Stats = dict[int, tuple[int, int, int]]
 
+# LLAMA_BATCH_DEBUG's level, read once per process by the first allocator (llama.cpp reads it in each allocator's
+# constructor; os.environ.get costs a microsecond, a twentieth of a decode step that builds its allocator);
+# read_debug_env() reads it again
+_DEBUG: int | None = None
+
+
+def read_debug_env() -> int:
+    """Read LLAMA_BATCH_DEBUG again; allocators made from now on use the new level."""
+    global _DEBUG
+    _DEBUG = _atoi(os.environ.get("LLAMA_BATCH_DEBUG"))
+    return _DEBUG
+
 
 class MemoryPositions(Protocol):
     """What :meth:`BatchAllocator.init` asks of a memory module (``llama_memory_i``): -1 for an empty sequence."""
@@ -48,7 +60,7 @@ class BatchAllocator(BatchSplitter):
         if int(n_pos_per_embd) < 1:
             raise ValueError(f"n_pos_per_embd = {n_pos_per_embd}, expected >= 1")
         self.n_pos_per_embd = int(n_pos_per_embd)
-        self._debug = _atoi(os.environ.get("LLAMA_BATCH_DEBUG"))
+        self._debug = _DEBUG if _DEBUG is not None else read_debug_env()
         self.fast = True
         # the batch's fields are set by init (_commit); until then only what _clear sets is read
         self._clear()

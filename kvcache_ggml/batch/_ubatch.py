@@ -30,15 +30,18 @@ _ONE_N_SEQ_ID = _frozen(np.ones(1, np.int32))
 _ONE_SEQ0 = _frozen(np.zeros((1, 1), np.int32))
 _ONE_OUT = _frozen(np.ones(1, np.int8))
 _TOKEN_IDS = _frozen(np.arange(LLAMA_MAX_SEQ))  # batch indices 0..n-1 of a decode step's tokens: _TOKEN_IDS[:n]
-_DECODE_SETS: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+_DECODE_SETS: dict[int | tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
-def _decode_arrays(ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _decode_arrays(ids: int | tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The arrays of a decode ubatch that depend only on its sequences -- token i has the one sequence ids[i], all
-    distinct: (seq_id int32 [n, 1], n_seq_id int32 [n] of ones, seq_id_unq int32 [n] ascending, seq_idx int32
-    [LLAMA_MAX_SEQ]), read-only and shared by the ubatches of the same sequences (the last 64 sets are kept)."""
+    distinct (an int: the one sequence of a one-token ubatch): (seq_id int32 [n, 1], n_seq_id int32 [n] of ones,
+    seq_id_unq int32 [n] ascending, seq_idx int32 [LLAMA_MAX_SEQ]), read-only and shared by the ubatches of the
+    same sequences (the last 64 sets are kept)."""
     arrs = _DECODE_SETS.get(ids)
     if arrs is None:
+        if type(ids) is int:
+            ids = (ids,)
         n = len(ids)
         unq = np.array(sorted(ids), np.int32)
         seq_idx = _SEQ_IDX_NONE.copy()
@@ -47,7 +50,7 @@ def _decode_arrays(ids: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.nda
                 _frozen(seq_idx))
         if len(_DECODE_SETS) >= 64:
             _DECODE_SETS.clear()
-        _DECODE_SETS[ids] = arrs
+        _DECODE_SETS[ids if n > 1 else ids[0]] = arrs
     return arrs
 
 

@@ -200,17 +200,16 @@ class KVBookkeeping:
         return True
 
     def get_n_kv(self, sinfo: SlotInfo) -> int:
-        """Cells the attention must read for this slot: used range padded to max(n_pad, 256), capped at size."""
+        """Cells the attention must read for this slot: used range padded to max(n_pad, 256), capped at size
+        (of the slot's streams, the one that uses most: the padding is monotone)."""
         n_pad_cur = self.n_pad_cur
-        res = 0
-        for s in sinfo.strm:
-            cells = self.v_cells[s]
-            used = cells.used_max_p1()
-            padded = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)  # GGML_PAD: a true multiple for powers of two
-            n_kv = min(self.kv_size, max(n_pad_cur, padded))
-            if n_kv > res:
-                res = n_kv
-        return res
+        strm = sinfo.strm
+        if len(strm) == 1:
+            used = self.v_cells[strm[0]].used_max_p1()
+        else:
+            used = max(self.v_cells[s].used_max_p1() for s in strm) if strm else 0
+        padded = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)  # GGML_PAD: a true multiple for powers of two
+        return min(self.kv_size, max(n_pad_cur, padded)) if strm else 0
 
     # ================================================================== preparation API
 
@@ -267,7 +266,7 @@ class KVBookkeeping:
         last = len(ubatches) - 1
         for k, ub in enumerate(ubatches):
             sinfo = self.find_slot(ub, False)
-            if sinfo.empty():
+            if not sinfo.idxs:  # (sinfo.empty())
                 success = False
                 break
             res.append(sinfo)
@@ -335,6 +334,8 @@ class KVBookkeeping:
         if n_tokens > self.kv_size:
             log.error("find_slot: n_tokens = %d > size = %d", n_tokens, self.kv_size)
             return None
+        if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_array.item(head_cur) < 0:
+            return np.array([head_cur], np.int64)  # the decode step: the head cell is free (empty is always usable)
         return (self._scan_cont if cont else self._scan)(cells, head_cur, n_tokens)
 
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
@@ -514,8 +515,6 @@ class KVBookkeeping:
     def _scan(self, cells: KVCells, head: int, n_tokens: int) -> np.ndarray | None:
         """First ``n_tokens`` usable cells in circular order from ``head`` (the seed's one-by-one search)."""
         size = self.kv_size
-        if n_tokens == 1 and head < size and cells.pos_array.item(head) < 0:
-            return np.array([head], np.int64)  # the decode step: the head cell is free (empty is always usable)
         hi = min(size, head + n_tokens)
         if hi - head == n_tokens:
             u = self._usable(cells, head, hi)

@@ -89,23 +89,24 @@ class KVInputs:
         # offset of element j of a transposed V row in its stream: the per-step v_idxs input adds it to each cell
         self._v_elem_offs = np.arange(hparams.n_embd_v_gqa_max(), dtype=np.int64) * self.kv_size
         self.mask_rows = MaskRows(book)               # ready kq-mask rows, patched step to step
-        # per input tensor (by the identity of its pointer object, kept alive here): a live view of its struct's
-        # leading words, their values when its header was read, the header, and its checked data views
-        self._tensors: dict[int, tuple[Any, np.ndarray, bytes, tuple, dict]] = {}
+        # per input tensor (by the id of its pointer object): a live view of its struct's leading words, their
+        # bytes when its header was read, the header, its checked data views (shape -> (types, ne, view)), and
+        # the pointer object itself (kept alive: its id stays its own)
+        self._tensors: dict[int, tuple[np.ndarray, bytes, tuple, dict, Any]] = {}
         # the mask rows need no window, ALiBi (nor, per ubatch, 2-D positions): ready rows may serve them
         self._plain = book.swa_type == SwaType.NONE and not hparams.use_alibi
         self.fast = True  # fast paths on (the equivalence tests turn them off to compare with the full build)
 
-    def _entry(self, dst: Any) -> tuple[Any, np.ndarray, bytes, tuple, dict]:
+    def _entry(self, dst: Any) -> tuple[np.ndarray, bytes, tuple, dict, Any]:
         """The cache entry of tensor ``dst``: its header (``G.header``) read again only when the words of its
         struct changed since (a runtime fills the same input tensors step after step: one numpy call then)."""
-        ent = self._tensors.get(id(dst))
-        if ent is not None and ent[0] is dst and ent[1].tobytes() == ent[2]:
+        ent = self._tensors.get(id(dst))  # (the entry keeps dst alive: its id stays its own)
+        if ent is not None and ent[4] is dst and ent[0].tobytes() == ent[1]:
             return ent
         words = G.header_words(dst)
         if len(self._tensors) >= 64:
             self._tensors.clear()
-        ent = self._tensors[id(dst)] = (dst, words, words.tobytes(), G.header(dst), {})
+        ent = self._tensors[id(dst)] = (words, words.tobytes(), G.header(dst), {}, dst)
         return ent
 
     def _host(self, dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int],
@@ -114,18 +115,20 @@ class KVInputs:
         (type, shape, strides, buffer and data pointer: everything host_array checks).  ``ent``: ``_entry(dst)``
         when the caller has it."""
         ent = ent or self._entry(dst)
-        views = ent[4]
-        view = views.get((types, ne, shape))
-        if view is None:
-            view = views[(types, ne, shape)] = host_array(dst, types, ne, ent[3]).reshape(shape)
+        hit = ent[3].get(shape)
+        if hit is not None and hit[0] is types and hit[1] == ne:
+            return hit[2]
+        view = host_array(dst, types, ne, ent[2]).reshape(shape)
+        ent[3][shape] = (types, ne, view)
         return view
 
     # ------------------------------------------------------------------ index inputs
 
     def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
-        self._check_slot(ubatch, sinfo)
         n_tokens = ubatch.n_tokens
+        if n_tokens != (len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0):
+            self._slot_mismatch(ubatch, sinfo)
         out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
         if n_tokens == 1:  # the decode step of one sequence
             out[0] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size
@@ -135,18 +138,20 @@ class KVInputs:
     def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens] (V rows), or with a transposed V one row per element:
         I64 [n_embd_v_gqa_max*n_tokens], element j of token i at ``strm*kv_size*n_embd + j*kv_size + idx``."""
-        self._check_slot(ubatch, sinfo)
         n_tokens = ubatch.n_tokens
+        if n_tokens != (len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0):
+            self._slot_mismatch(ubatch, sinfo)
         if not self.v_trans:
             out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
             np.copyto(out, self._token_cells(sinfo))
             return
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]
-        out = self._host(dst, _I64, (n_tokens * n_embd, 1, 1, 1), (n_tokens, n_embd))
         if n_tokens == 1:  # the decode step of one sequence
-            np.add(elem, sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd, out=out[0])
+            out = self._host(dst, _I64, (n_embd, 1, 1, 1), (n_embd,))
+            np.add(elem, sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd, out=out)
             return
+        out = self._host(dst, _I64, (n_tokens * n_embd, 1, 1, 1), (n_tokens, n_embd))
         base = self._token_cells(sinfo, stream_stride=self.kv_size * n_embd)  # [n_tokens]
         np.add(base[:, None], elem, out=out)
 
@@ -171,7 +176,7 @@ class KVInputs:
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
         n_tokens = ubatch.n_tokens
         ent = self._entry(dst)
-        n_kv, _, _, ns = ent[3][1]
+        n_kv, _, _, ns = ent[2][1]
         if ns < 1 or n_tokens % ns:
             raise ValueError(f"kq mask {G.name(dst)!r}: ne[3] = {ns} streams do not split the ubatch's "
                              f"{n_tokens} tokens evenly")
@@ -223,11 +228,12 @@ class KVInputs:
 
     # ------------------------------------------------------------------ helpers
 
-    def _check_slot(self, ubatch: UBatch, sinfo: SlotInfo) -> None:
-        n = len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0
-        if ubatch.n_tokens != n:
-            raise RuntimeError(f"ubatch of {ubatch.n_tokens} tokens does not match its slot of "
-                               f"{sinfo.n_stream()} streams x {sinfo.size() if n else 0} cells")
+    @staticmethod
+    def _slot_mismatch(ubatch: UBatch, sinfo: SlotInfo) -> None:
+        """RuntimeError: the ubatch's tokens are not its slot's cells (n_stream x size)."""
+        size = sinfo.size() if sinfo.idxs else 0
+        raise RuntimeError(f"ubatch of {ubatch.n_tokens} tokens does not match its slot of "
+                           f"{sinfo.n_stream()} streams x {size} cells")
 
     def _token_cells(self, sinfo: SlotInfo, stream_stride: int | None = None) -> np.ndarray:
         """int64 [n_tokens]: ``strm*stream_stride + cell`` of each token (stride kv_size by default)."""

@@ -40,16 +40,16 @@ class _Block:
     cells [0, n_valid), as of the first ``seen`` entries (of each kind) of the stream's change log in its epoch
     ``epoch``."""
 
-    __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "seqs", "row_of", "row_map", "used", "n_valid",
-                 "epoch", "seen", "tick")
+    __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "frows", "seqs", "row_of", "row_map", "used",
+                 "n_valid", "epoch", "seen", "tick")
 
-    def __init__(self, cells: KVCells, itype: type, neg: np.integer, budget: int) -> None:
+    def __init__(self, cells: KVCells, ftype: np.dtype, budget: int) -> None:
         self.cells = cells                                  # the stream's cells
         self.log = cells.change_log                         # ... and their change log
-        self.itype = itype                                  # integer type with the mask's bit pattern
-        self.neg = neg                                      # -inf as that integer
-        self.cap = max(1, budget // (cells.size() * np.dtype(itype).itemsize))  # rows the budget allows
-        self.rows = np.empty((min(self.cap, 8), cells.size()), itype)  # [size, n_rows] bit patterns
+        self.itype, self.neg = NEG_INF_BITS[ftype]          # integer type with the mask's bit pattern, -inf in it
+        self.cap = max(1, budget // (cells.size() * ftype.itemsize))  # rows the budget allows
+        self.rows = np.empty((min(self.cap, 8), cells.size()), self.itype)  # [n_rows, size] bit patterns
+        self.frows = self.rows.view(ftype)                  # the same as the mask's floats (0 and -inf): copied out
         self.seqs: list[int] = []                           # sequence of each row
         self.row_of: dict[int, int] = {}                    # sequence -> its row
         self.row_map = np.full(LLAMA_MAX_SEQ, -1, np.int32)  # the same as an array (-1: no row)
@@ -63,16 +63,32 @@ class _Block:
         """Bring every row up to date over cells [0, max(n_valid, n_kv)), for a new write."""
         self.tick += 1
         log = self.log
+        seen = self.seen
+        n_ones, n_seq, n_arrays = len(log.one_cells), len(log.seq_changes), len(log.arrays)
         if log.epoch != self.epoch:
             self.epoch = log.epoch
             self.clear(n_kv)
+        elif n_seq == seen[1] and n_arrays == seen[2]:  # single cells only (the decode step), or nothing
+            if n_ones > seen[0] and self.seqs:
+                self._patch_ones(log.one_cells, log.one_seqs, seen[0], n_ones)
         elif self.seqs and not self._patch(log):
             self.clear(n_kv)
-        self.seen = (len(log.one_cells), len(log.seq_changes), len(log.arrays))
+        self.seen = (n_ones, n_seq, n_arrays)
         if n_kv > self.n_valid:
             if self.seqs:
                 self._fill(slice(self.n_valid, n_kv))
             self.n_valid = n_kv
+
+    def _patch_ones(self, cells: list[int], seqs: list[int], a: int, b: int) -> None:
+        """Recompute entries [a, b) of the single-cell changes: each in its sequence's row only."""
+        bits, rows, neg, n, row_of = self.cells.seq_bits, self.rows, self.neg, self.n_valid, self.row_of
+        for k in range(a, b):
+            s = seqs[k]
+            r = row_of.get(s)
+            if r is not None:
+                i = cells[k]
+                if i < n:
+                    rows[r, i] = 0 if bits.item(s >> 6, i) >> (s & 63) & 1 else neg
 
     def _patch(self, log: ChangeLog) -> bool:
         """Recompute what the entries logged since ``seen`` changed: a single (cell, sequence) change touches that
@@ -105,7 +121,8 @@ class _Block:
                 cols, s = idxs[sel], s[sel]
                 rows[r[sel], cols] = (((bits[s >> 6, cols] >> (s & 63).astype(np.uint64)) & 1) == 0) * neg
         row_of = self.row_of
-        for s, i in dict.fromkeys(zip(one_seqs, one_cells)):  # each (sequence, cell) once
+        pairs = zip(one_seqs, one_cells) if len(one_cells) < 4 else dict.fromkeys(zip(one_seqs, one_cells))
+        for s, i in pairs:  # (each (sequence, cell) once: an undone step's cells come back)
             r = row_of.get(s)
             if r is not None and i < n:
                 rows[r, i] = 0 if bits.item(s >> 6, i) >> (s & 63) & 1 else neg
@@ -136,7 +153,7 @@ class _Block:
             if r == self.rows.shape[0]:  # grow the storage (doubling, up to the budget)
                 grown = np.empty((min(self.cap, 2 * r), self.rows.shape[1]), self.itype)
                 grown[:r] = self.rows
-                self.rows = grown
+                self.rows, self.frows = grown, grown.view(self.frows.dtype)
             self.seqs.append(seq_id)
             self.used.append(0)
         else:  # the least recently used row gives way, unless it serves the current write too
@@ -179,18 +196,22 @@ class MaskRows:
     def __init__(self, book: KVBookkeeping, budget: int = _BUDGET) -> None:
         self.book = book                                  # the cells the rows are derived from
         self.budget = budget                              # bytes per block
-        self._blocks: dict[tuple[int, type], _Block] = {}  # (stream, integer type) -> rows
+        self._blocks: dict[tuple[int, np.dtype], _Block] = {}  # (stream, mask type) -> rows
 
     def write_one(self, row: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
         """Fill the mask row ``row`` [n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
         strm = self.book.stream_of[seq_id]
-        if not self.book.v_cells[strm].seq_pos_within([seq_id], [p1] if causal else None):
+        lo, hi = self.book.v_cells[strm].seq_pos_bounds(seq_id)
+        if lo < 0 or (causal and hi > p1):  # (lo -1: no cell, or a cell at -1)
             return False
-        itype, neg = NEG_INF_BITS[row.dtype]
         n_kv = row.shape[0]
-        block = self._block(strm, itype, neg, n_kv)
-        r = block.row(seq_id)  # (never None: the least recently used row served an earlier write)
-        np.copyto(row.view(itype), block.rows[r, :n_kv])
+        block = self._block(strm, row.dtype, n_kv)
+        r = block.row_of.get(seq_id)
+        if r is None:
+            r = block.row(seq_id)  # (never None: the least recently used row served an earlier write)
+        else:
+            block.used[r] = block.tick
+        np.copyto(row, block.frows[r, :n_kv])
         return True
 
     def write(self, rows: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
@@ -204,11 +225,10 @@ class MaskRows:
         elif not all(v_cells[stream_of[s]].seq_pos_within([s], [p] if causal else None)
                      for s, p in zip(seq_ids, pos)):
             return False
-        itype, neg = NEG_INF_BITS[rows.dtype]
-        out = rows.view(itype)
+        out = rows
         n_kv = out.shape[1]
         if book.n_stream == 1:
-            block = self._block(0, itype, neg, n_kv)
+            block = self._block(0, rows.dtype, n_kv)
             rs = list(map(block.row_of.get, seq_ids))
             if None in rs:  # some row has to be built
                 rs = [block.row(s) for s in seq_ids]
@@ -218,26 +238,26 @@ class MaskRows:
                 used, tick = block.used, block.tick
                 for r in rs:
                     used[r] = tick
-            rows_all = block.rows
+            frows = block.frows
             for i, r in enumerate(rs):  # (np.take would first copy every row of the strided [:, :n_kv] view)
-                np.copyto(out[i], rows_all[r, :n_kv])
+                np.copyto(out[i], frows[r, :n_kv])
             return True
         synced = {}
         for i, s in enumerate(seq_ids):
             st = stream_of[s]
             block = synced.get(st)
             if block is None:
-                block = synced[st] = self._block(st, itype, neg, n_kv)
+                block = synced[st] = self._block(st, rows.dtype, n_kv)
             r = block.row(s)
             if r is None:
                 return False
-            np.copyto(out[i], block.rows[r, :n_kv])
+            np.copyto(out[i], block.frows[r, :n_kv])
         return True
 
-    def _block(self, strm: int, itype: type, neg: np.integer, n_kv: int) -> _Block:
-        """The rows of stream ``strm`` for ``itype``, synced over at least [0, n_kv)."""
-        block = self._blocks.get((strm, itype))
+    def _block(self, strm: int, ftype: np.dtype, n_kv: int) -> _Block:
+        """The rows of stream ``strm`` for masks of ``ftype``, synced over at least [0, n_kv)."""
+        block = self._blocks.get((strm, ftype))
         if block is None or block.cells is not self.book.v_cells[strm]:
-            block = self._blocks[(strm, itype)] = _Block(self.book.v_cells[strm], itype, neg, self.budget)
+            block = self._blocks[(strm, ftype)] = _Block(self.book.v_cells[strm], ftype, self.budget)
         block.sync(n_kv)
         return block
