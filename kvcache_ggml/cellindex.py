@@ -174,9 +174,12 @@ class UsedRange:
         """The (previously empty) cells ``idxs`` became used."""
         if idxs.size == 1:
             lo = int(idxs[0])
-            hi = lo + 1
+            self.insert_bounds(lo, lo + 1, 1)
         else:
-            lo, hi = int(idxs.min()), int(idxs.max()) + 1
+            self.insert_bounds(int(idxs.min()), int(idxs.max()) + 1, idxs.size)
+
+    def insert_bounds(self, lo: int, hi: int, n: int) -> None:
+        """``n`` (previously empty) cells became used, the first ``lo`` and the last ``hi - 1``."""
         if self.n == 0:
             self.lo, self.hi = lo, hi
             self.lo_dirty = self.hi_dirty = False
@@ -187,7 +190,7 @@ class UsedRange:
                 self.lo, self.lo_dirty = lo, False
             if hi >= self.hi:
                 self.hi, self.hi_dirty = hi, False
-        self.n += idxs.size
+        self.n += n
 
     def insert_one(self, i: int) -> None:
         """The (previously empty) cell ``i`` became used."""

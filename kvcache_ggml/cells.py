@@ -43,6 +43,7 @@ __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids"]
 
 _ONE = np.uint64(1)
 _BIT = [np.uint64(1 << b) for b in range(64)]
+_BIT_OF = np.array([1 << (s & 63) for s in range(LLAMA_MAX_SEQ)], np.uint64)  # sequence -> its bit in its word
 _FEW = 64  # find() scans backwards for this many cells of a sequence or fewer
 assert SEQ_WORDS == 4, "seq_rm_last reads the words of a cell one by one"
 _NO_CELLS = np.empty(0, np.int64)
@@ -437,28 +438,45 @@ class KVCells(OneCellAPI):
         self._pos[idxs] = pos
         if ext is not None:
             self._ext[idxs] = ext
-        self._used.insert(idxs)
         if seq_ids.shape[1] == 1:
             col = seq_ids[:, 0]
+            if col.size <= LLAMA_MAX_SEQ:  # up to a decode step of several sequences: Python lists
+                cl, il = col.tolist(), idxs.tolist()
+                self._used.insert_bounds(min(il), max(il) + 1, len(il))
+                if cl.count(cl[0]) < len(cl):
+                    self._place_seqs(idxs, col, cl, pos.tolist(), il)
+                    return
+                self.seq_add_many(idxs, cl[0])
+                return
+            self._used.insert(idxs)
             first = int(col[0])
-            if col.size == 1 or (col == first).all():
+            if (col == first).all():
                 self.seq_add_many(idxs, first)
                 return
-            if col.size <= LLAMA_MAX_SEQ:  # the decode step of several sequences: one bit per cell at once
-                self._seq[col >> 6, idxs] |= _ONE << (col & 63).astype(np.uint64)
-                newest, seq_pos = self._newest, self._seq_pos
-                for s, p, i in zip(col.tolist(), pos.tolist(), idxs.tolist()):
-                    ms = seq_pos.get(s)
-                    if ms is not None and p > ms.keys[-1]:  # ms.inc(p) past the largest position
-                        ms.keys.append(p)
-                        ms.counts.append(1)
-                    else:
-                        self._ms(s).inc(p)
-                    newest[s] = i
-                self._log.add_seq(idxs, col if not col.flags.writeable else col.copy())
-                return
+        else:
+            self._used.insert(idxs)
         for s in np.unique(seq_ids[seq_ids >= 0]).tolist():
             self.seq_add_many(idxs[(seq_ids == s).any(axis=1)], s)
+
+    def _place_seqs(self, idxs: np.ndarray, col: np.ndarray, cl: list[int], pl: list[int], il: list[int]) -> None:
+        """place()'s sequences when each cell has one of several (the decode step of several sequences): one bit per
+        cell at once, the position multisets with scalar Python.  ``cl``/``pl``/``il``: sequences, positions, cells
+        as lists; ``col``: the sequences as an int32 array."""
+        bits = _BIT_OF[col]                                   # uint64 [n]: each cell's sequence bit in its word
+        if max(cl) < 64:
+            self._seq[0, idxs] |= bits
+        else:
+            self._seq[col >> 6, idxs] |= bits
+        newest, seq_pos = self._newest, self._seq_pos
+        for s, p, i in zip(cl, pl, il):
+            ms = seq_pos.get(s)
+            if ms is not None and p > ms.keys[-1]:  # ms.inc(p) past the largest position
+                ms.keys.append(p)
+                ms.counts.append(1)
+            else:
+                self._ms(s).inc(p)
+            newest[s] = i
+        self._log.add_seq(idxs, col if not col.flags.writeable else col.copy())
 
     def place_one(self, i: int, p: int, s: int) -> None:
         """place() of one cell ``i``, position ``p``, sequence ``s`` with scalar Python (the decode step)."""

@@ -240,6 +240,8 @@ class KVInputs:
         stride = self.kv_size if stream_stride is None else stream_stride
         if len(sinfo.idxs) == 1:
             return sinfo.idxs[0] + sinfo.strm[0] * stride if sinfo.strm[0] else sinfo.idxs[0]
+        if len(sinfo.idxs[0]) == 1:  # one token per stream (the decode step): Python ints
+            return np.array([idx.item(0) + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)], np.int64)
         cells = np.concatenate(sinfo.idxs)
         cells += np.repeat(np.multiply(sinfo.strm, stride, dtype=np.int64), len(sinfo.idxs[0]))
         return cells
