@@ -12,7 +12,7 @@ import numpy as np
 
 from ._consts import LLAMA_MAX_SEQ
 
-__all__ = ["CellExt", "OneCellAPI"]
+__all__ = ["CellExt", "OneCellAPI", "bitset_ids"]
 
 _BIT = [np.uint64(1 << b) for b in range(64)]
 
@@ -27,6 +27,17 @@ class CellExt:
     def is_2d_gt(self, ox: int, oy: int) -> bool:
         """True when this cell comes after ``(ox, oy)`` in row-major order."""
         return self.y > oy or (self.y == oy and self.x > ox)
+
+
+def bitset_ids(words: np.ndarray) -> list[int]:
+    """Ascending sequence ids of one cell's bitset (uint64 [SEQ_WORDS]: word w holds sequences 64w..64w+63)."""
+    out = []
+    for w, v in enumerate(int(x) for x in words.tolist()):
+        while v:
+            low = v & -v
+            out.append(w * 64 + low.bit_length() - 1)
+            v ^= low
+    return out
 
 
 class OneCellAPI:

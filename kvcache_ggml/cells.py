@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._consts import INT32_MAX, LLAMA_MAX_SEQ, SEQ_WORDS
-from .cellapi import CellExt, OneCellAPI
+from .cellapi import CellExt, OneCellAPI, bitset_ids
 from .cellindex import ChangeLog, PosMultiset, UsedRange
 
 __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids"]
@@ -48,17 +48,6 @@ _FEW = 64  # find() scans backwards for this many cells of a sequence or fewer
 assert SEQ_WORDS == 4, "seq_rm_last reads the words of a cell one by one"
 _NO_CELLS = np.empty(0, np.int64)
 _NO_CELLS.flags.writeable = False
-
-
-def bitset_ids(words: np.ndarray) -> list[int]:
-    """Ascending sequence ids of one cell's bitset (uint64 [SEQ_WORDS]: word w holds sequences 64w..64w+63)."""
-    out = []
-    for w, v in enumerate(int(x) for x in words.tolist()):
-        while v:
-            low = v & -v
-            out.append(w * 64 + low.bit_length() - 1)
-            v ^= low
-    return out
 
 
 class KVCells(OneCellAPI):
