@@ -37,6 +37,7 @@ from kvcache_ggml.hparams import HParams  # noqa: E402
 
 CASES = {"1": (1, True), "8": (8, True), "8s": (8, False)}  # name -> (sequences, unified)
 LEVELS = (0, 1, 2)
+PHASES = ("Batch", "BatchAllocator()", "init", "init_batch", "apply", "k/v idxs", "kq mask", "undo (seq_rm)")
 
 
 class Tiny:  # the oracle's tiny.gguf shape: 2 layers, 4 heads of 16, 2 KV heads
@@ -124,6 +125,34 @@ class OurCase:
                 break
         self._undo()
 
+    def phases(self, iters: int) -> list[float]:
+        """Seconds per step of each phase of a level-2 step (PHASES), timed one by one inside the step."""
+        clock = time.perf_counter
+        acc = [0.0] * len(PHASES)
+        for _ in range(iters):
+            t = [clock()]
+            batch = Batch(token=self.token, pos=self.pos, seq_id=self.seq, logits=self.out)
+            t.append(clock())
+            ba = self._allocator()
+            t.append(clock())
+            ba.init(batch, 64, self.kv, 64, self.kv.n_seq_max, False)
+            t.append(clock())
+            ctx = self.kv.init_batch(ba, 512)
+            t.append(clock())
+            ctx.apply()
+            t.append(clock())
+            ub = ctx.get_ubatch()
+            ctx.set_input_k_idxs(self.tk, ub)
+            ctx.set_input_v_idxs(self.tv, ub)
+            t.append(clock())
+            ctx.set_input_kq_mask(self.tm, ub, True)
+            t.append(clock())
+            self._undo()
+            t.append(clock())
+            for k in range(len(PHASES)):
+                acc[k] += t[k + 1] - t[k]
+        return [a / iters for a in acc]
+
     def close(self) -> None:
         self.buf.close()
         self.gctx.close()
@@ -169,6 +198,26 @@ def oracle_runs(cases: list[tuple[str, int, int, bool, int]], repeats: int) -> d
     return {k: {int(lvl): v for lvl, v in d.items()} for k, d in res.items()} if res else None
 
 
+def print_phases(sizes: list[int], names: list[str], a: argparse.Namespace) -> int:
+    """Our per-phase split of a level-2 step, µs (per phase the best of ``repeats`` runs)."""
+    print(f"our decode step by phase, µs (best of {a.repeats} runs of --iters steps per phase)"
+          + (" -- our general paths" if a.general else ""))
+    print("| cells | case | " + " | ".join(PHASES) + " | sum |")
+    print("|" + "---|" * (len(PHASES) + 3))
+    for kv_size in sizes:
+        for name in names:
+            n_seq, unified = CASES[name]
+            case = OurCase(kv_size, n_seq, unified, a.general)
+            try:
+                case.phases(20)
+                runs = [case.phases(max(20, a.iters // n_seq)) for _ in range(a.repeats)]
+            finally:
+                case.close()
+            best = [min(r[k] for r in runs) * 1e6 for k in range(len(PHASES))]
+            print(f"| {kv_size} | {name} | " + " | ".join(f"{b:.1f}" for b in best) + f" | {sum(best):.1f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="4096,32768,131072", help="cells per stream")
@@ -179,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--general", action="store_true", help="time our general paths (every fast path off)")
     ap.add_argument("--no-oracle", action="store_true", help="skip llama.cpp's side")
     ap.add_argument("--json", help="also write the runs (seconds) to this file")
+    ap.add_argument("--phases", action="store_true", help="print our per-phase split of a level-2 step instead")
     a = ap.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
     names = a.cases.split(",")
+    if a.phases:
+        return print_phases(sizes, names, a)
     ours: dict[str, dict[int, list[float]]] = {}
     theirs: dict[str, dict[int, list[float]]] = {}
     for kv_size in sizes:

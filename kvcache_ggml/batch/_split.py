@@ -172,9 +172,8 @@ class BatchSplitter:
 
     def _seq0_rise_by_one(self) -> bool:
         """The tokens' sequence ids are consecutive and rising in batch order (s, s + 1, s + 2, ...)."""
-        seqs = self._seqs
-        return seqs[-1] - seqs[0] == self._n - 1 and self._seq0.item(0) == seqs[0] and (
-            self._n == 2 or not np.count_nonzero(np.diff(self._seq0) != 1))
+        seqs = self._seqs  # (ascending and distinct: consecutive iff they span n - 1)
+        return seqs[-1] - seqs[0] == self._n - 1 and self._seq0.tolist() == seqs
 
     def _take_disjoint(self, n_ubatch: int, lo: np.ndarray, rem: np.ndarray) -> list[int]:
         """split_equal's groups (at most n_ubatch + 1) that share no sequence, in the order of their first unused
