@@ -1,13 +1,17 @@
 """Run timing code on llama.cpp's own cache (../shared/oracle) in its interpreter, side by side with ours.
 
 ``oracle_timings(script)`` runs ``script`` under the oracle's Python with ``kvoracle`` importable and returns what
-it printed as JSON, or None when the oracle is not built.
+it printed as JSON, or None when the oracle is not built.  ``step_lib()`` builds ``_oracle_step.cpp`` (timing
+anchors the oracle's shim lacks) against the oracle's llama.cpp.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
@@ -18,6 +22,33 @@ ORACLE_PY = ORACLE_DIR / "venv" / "bin" / "python"
 def oracle_available() -> bool:
     return all(p.exists() for p in (ORACLE_PY, ORACLE_DIR / "libkvoracle.so", ORACLE_DIR / "tiny.gguf",
                                      ORACLE_SRC / "kvoracle.py"))
+
+
+STEP_SRC = Path(__file__).resolve().with_name("_oracle_step.cpp")
+
+
+def step_lib() -> Path | None:
+    """``_oracle_step.cpp`` built against the oracle's llama.cpp (once per source version, in a temporary folder),
+    or None when the oracle or a C++ compiler is missing or the build fails."""
+    if not oracle_available():
+        return None
+    src = STEP_SRC.read_bytes()
+    out = Path(tempfile.gettempdir()) / f"kvcache_ggml_oracle_step_{hashlib.sha1(src).hexdigest()[:12]}.so"
+    if out.exists():
+        return out
+    llama = ORACLE_DIR / "src" / "llama_cpp_python-0.3.17" / "vendor" / "llama.cpp"
+    libs = sorted((ORACLE_DIR / "venv").glob("lib/python3*/site-packages/llama_cpp/lib"))
+    if not libs or not shutil.which("g++"):
+        return None
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = ["g++", "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(tmp), str(STEP_SRC),
+           f'-DKV_ORACLE_CPP="{ORACLE_SRC / "kv_oracle.cpp"}"', f"-I{llama / 'src'}", f"-I{llama / 'include'}",
+           f"-I{llama / 'ggml' / 'include'}", f"-L{libs[0]}", "-lllama", "-lggml", "-lggml-base",
+           f"-Wl,-rpath,{libs[0]}"]
+    if subprocess.run(cmd, capture_output=True).returncode != 0:
+        return None
+    tmp.replace(out)
+    return out
 
 
 def oracle_timings(script: str, timeout: int = 900):

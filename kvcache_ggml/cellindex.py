@@ -1,8 +1,11 @@
-"""The two derived indices of a stream's cells (no ggml): the used range and the per-sequence position multisets.
+"""The derived indices of a stream's cells (no ggml): the used range, the per-sequence position multisets, and the
+log of changed cells.
 
 :class:`UsedRange` is llama.cpp's ``used`` set reduced to what the cache asks of it: how many cells are used and
 the first and last of them.  :class:`PosMultiset` is llama.cpp's per-sequence ``std::map<llama_pos, int>``.
-:class:`~kvcache_ggml.cells.KVCells` keeps both in sync with its arrays.
+:class:`ChangeLog` (beyond llama.cpp) lists the cells whose sequence set changed, so that what is derived from the
+sequence bits (the kq mask rows of :mod:`kvcache_ggml.cache.mask_rows`) can be patched instead of rebuilt.
+:class:`~kvcache_ggml.cells.KVCells` keeps all three in sync with its arrays.
 """
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from bisect import bisect_left
 
 import numpy as np
 
-__all__ = ["PosMultiset", "UsedRange", "sorted_counts"]
+__all__ = ["ChangeLog", "PosMultiset", "UsedRange", "sorted_counts"]
 
 
 class PosMultiset:
@@ -171,17 +174,48 @@ class UsedRange:
         """The (previously empty) cells ``idxs`` became used."""
         if idxs.size == 1:
             lo = int(idxs[0])
-            hi = lo + 1
+            self.insert_bounds(lo, lo + 1, 1)
         else:
-            lo, hi = int(idxs.min()), int(idxs.max()) + 1
+            self.insert_bounds(int(idxs.min()), int(idxs.max()) + 1, idxs.size)
+
+    def insert_bounds(self, lo: int, hi: int, n: int) -> None:
+        """``n`` (previously empty) cells became used, the first ``lo`` and the last ``hi - 1``."""
         if self.n == 0:
             self.lo, self.hi = lo, hi
             self.lo_dirty = self.hi_dirty = False
         else:
-            # exact bounds stay exact; stale (dirty) bounds stay an enclosure of every used cell
-            self.lo = min(self.lo, lo)
-            self.hi = max(self.hi, hi)
-        self.n += idxs.size
+            # exact bounds stay exact; stale (dirty) bounds stay an enclosure of every used cell, and become exact
+            # again when a new cell reaches them (no used cell lies beyond it)
+            if lo <= self.lo:
+                self.lo, self.lo_dirty = lo, False
+            if hi >= self.hi:
+                self.hi, self.hi_dirty = hi, False
+        self.n += n
+
+    def insert_one(self, i: int) -> None:
+        """The (previously empty) cell ``i`` became used."""
+        if self.n == 0:
+            self.lo, self.hi = i, i + 1
+            self.lo_dirty = self.hi_dirty = False
+        else:
+            # a bound the new cell reaches is exact again: no used cell lies beyond it
+            if i <= self.lo:
+                self.lo, self.lo_dirty = i, False
+            if i + 1 >= self.hi:
+                self.hi, self.hi_dirty = i + 1, False
+        self.n += 1
+
+    def erase_one(self, i: int) -> None:
+        """The (previously used) cell ``i`` became empty."""
+        self.n -= 1
+        assert self.n >= 0
+        if self.n == 0:
+            self.reset()
+            return
+        if i <= self.lo:
+            self.lo_dirty = True
+        if i + 1 >= self.hi:
+            self.hi_dirty = True
 
     def erase(self, idxs: np.ndarray) -> None:
         """The (previously used) cells ``idxs`` became empty."""
@@ -224,3 +258,64 @@ class UsedRange:
             lo, step = up, step * 4
         self.lo, self.lo_dirty = lo, False
         return lo
+
+
+class ChangeLog:
+    """The cells whose sequence set changed, in three kinds of entries, for readers that keep something derived
+    from the sequence bits (the kq mask rows of :mod:`kvcache_ggml.cache.mask_rows`).
+
+    * ``one_cells``/``one_seqs`` (parallel lists of ints): cell ``one_cells[k]`` gained or lost sequence
+      ``one_seqs[k]`` and no other (the decode step's placements and undos);
+    * ``seq_changes``: (int64 cells, sequence) -- the cells gained or lost that sequence and no other; the sequence
+      is an int, or an int32 array with one sequence per cell;
+    * ``arrays``: int64 cells whose sets changed in any way (emptied, restored, ...): every sequence may differ.
+
+    Cells may repeat and entries are not ordered across kinds: a reader recomputes what it derived from the cells'
+    current bits.  It keeps the ``epoch`` and how many entries of each kind it has seen, and reads the entries
+    logged since.  A new epoch means the entries were dropped in between -- by a wholesale change (a reset), or
+    because the array entries grew past ``max_cells`` cells or a list past ``max_entries`` entries (patching would
+    then cost about a rebuild) -- and the reader rebuilds.  Logging costs an append; nothing is kept for readers
+    that never come.
+    """
+
+    __slots__ = ("one_cells", "one_seqs", "seq_changes", "arrays", "n_cells", "epoch", "max_cells", "max_entries")
+
+    def __init__(self, max_cells: int, max_entries: int = 512) -> None:
+        self.one_cells: list[int] = []              # a cell that gained or lost one sequence...
+        self.one_seqs: list[int] = []               # ... that sequence
+        self.seq_changes: list[tuple[np.ndarray, int | np.ndarray]] = []  # (cells, their one changed sequence(s))
+        self.arrays: list[np.ndarray] = []          # cells changed in any way
+        self.n_cells = 0                            # cells in ``seq_changes`` and ``arrays`` (with repeats)
+        self.epoch = 0                              # bumped when the entries are dropped
+        self.max_cells = max_cells                  # drop the entries beyond this many array cells...
+        self.max_entries = max_entries              # ... or this many entries of a kind
+
+    def add_one(self, i: int, seq_id: int) -> None:
+        """Cell ``i`` gained or lost sequence ``seq_id``, and nothing else changed in it."""
+        cells = self.one_cells
+        cells.append(i)
+        self.one_seqs.append(seq_id)
+        if len(cells) > self.max_entries:
+            self.drop()
+
+    def add_seq(self, idxs: np.ndarray, seq_ids: int | np.ndarray) -> None:
+        """The cells ``idxs`` (int64) gained or lost sequence ``seq_ids`` (or each its own, int32 array), and
+        nothing else changed in them."""
+        self.seq_changes.append((idxs, seq_ids))
+        self._count(idxs.size, len(self.seq_changes))
+
+    def add(self, idxs: np.ndarray) -> None:
+        """The cells ``idxs`` (int64) changed in any way (any sequence may have joined or left them)."""
+        self.arrays.append(idxs)
+        self._count(idxs.size, len(self.arrays))
+
+    def _count(self, n: int, entries: int) -> None:
+        self.n_cells += n
+        if self.n_cells > self.max_cells or entries > self.max_entries:
+            self.drop()
+
+    def drop(self) -> None:
+        """Forget the entries: every reader's position becomes stale (a wholesale change, or too many entries)."""
+        self.one_cells, self.one_seqs, self.seq_changes, self.arrays = [], [], [], []
+        self.n_cells = 0
+        self.epoch += 1

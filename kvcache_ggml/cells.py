@@ -11,12 +11,14 @@ Storage is a set of parallel numpy arrays, one entry per cell:
   membership column of one sequence is contiguous.
 
 Two derived indices (:mod:`kvcache_ggml.cellindex`; llama.cpp's ``used`` set and ``seq_pos``) are kept in sync
-with those arrays:
+with those arrays, and a third record beyond llama.cpp:
 
 * the used range (:class:`UsedRange`) -- a count plus the bounds ``used_min``/``used_max_p1``, re-found lazily with
   a chunked scan when a boundary cell is freed;
 * per sequence, the multiset of its positions (:class:`PosMultiset`), so that ``seq_pos_min``/``seq_pos_max`` are
-  O(1).
+  O(1);
+* the change log (:class:`ChangeLog`): every cell whose sequence set changed, which the kq mask rows read
+  (``change_log``) to patch themselves instead of being rebuilt.
 
 Whole cells enter and leave both indices through two private helpers, :meth:`KVCells._index_add` and
 :meth:`KVCells._index_remove` (moves, shifts, removals, restores).  The mutators of the decode path update them in
@@ -25,54 +27,34 @@ multisets), :meth:`~KVCells.seq_add_many` / :meth:`~KVCells.seq_rm_many` (one se
 multiset, and the used range for cells left empty) and :meth:`~KVCells.pos_set` (the used range).
 :meth:`~KVCells.check_invariants` recomputes both indices from the arrays and reports every disagreement.
 
-Every llama.cpp method has a counterpart with the same name working on one cell.  The cache itself uses the
-vectorised ``*_many``/``find``/``place`` methods, which give the same result as the per-cell loops of the seed.
+Every llama.cpp method has a counterpart with the same name working on one cell (:mod:`kvcache_ggml.cellapi`).  The
+cache itself uses the vectorised ``*_many``/``find``/``place`` methods, which give the same result as the per-cell
+loops of the seed, and on the decode step their scalar variants (``place_one``, ``seq_rm_last``).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from ._consts import INT32_MAX, LLAMA_MAX_SEQ, SEQ_WORDS
-from .cellindex import PosMultiset, UsedRange
+from .cellapi import CellExt, OneCellAPI, bitset_ids
+from .cellindex import ChangeLog, PosMultiset, UsedRange
 
 __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids"]
 
 _ONE = np.uint64(1)
 _BIT = [np.uint64(1 << b) for b in range(64)]
+_BIT_OF = np.array([1 << (s & 63) for s in range(LLAMA_MAX_SEQ)], np.uint64)  # sequence -> its bit in its word
 _FEW = 64  # find() scans backwards for this many cells of a sequence or fewer
+assert SEQ_WORDS == 4, "seq_rm_last reads the words of a cell one by one"
 _NO_CELLS = np.empty(0, np.int64)
 _NO_CELLS.flags.writeable = False
 
 
-@dataclass(slots=True, frozen=True)
-class CellExt:
-    """The 2-D position of an M-RoPE cell (llama.cpp's ``llama_kv_cell_ext``)."""
+class KVCells(OneCellAPI):
+    """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``); the one-cell methods are
+    :class:`~kvcache_ggml.cellapi.OneCellAPI`'s."""
 
-    x: int = 0  # column of the token in the image
-    y: int = 0  # row of the token in the image
-
-    def is_2d_gt(self, ox: int, oy: int) -> bool:
-        """True when this cell comes after ``(ox, oy)`` in row-major order."""
-        return self.y > oy or (self.y == oy and self.x > ox)
-
-
-def bitset_ids(words: np.ndarray) -> list[int]:
-    """Ascending sequence ids of one cell's bitset (uint64 [SEQ_WORDS]: word w holds sequences 64w..64w+63)."""
-    out = []
-    for w, v in enumerate(int(x) for x in words.tolist()):
-        while v:
-            low = v & -v
-            out.append(w * 64 + low.bit_length() - 1)
-            v ^= low
-    return out
-
-
-class KVCells:
-    """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``)."""
-
-    __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_used", "_seq_pos")
+    __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_used", "_seq_pos", "_log", "_newest")
 
     def __init__(self, size: int = 0) -> None:
         self._pos = np.empty(0, np.int32)                # [size] position, -1 = empty
@@ -82,6 +64,8 @@ class KVCells:
         self._has_shift = False                          # any pos_add/pos_div since reset_shift()
         self._used = UsedRange()                         # count and bounds of the non-empty cells
         self._seq_pos: dict[int, PosMultiset] = {}      # seq id -> multiset of its positions
+        self._log = ChangeLog(0)                         # cells whose sequence set changed
+        self._newest: dict[int, int] = {}                # seq id -> cell of its last placement (a hint only)
         self.resize(size)
 
     # ------------------------------------------------------------------ whole-stream operations
@@ -94,6 +78,8 @@ class KVCells:
         self._has_shift = False
         self._used.reset()
         self._seq_pos.clear()
+        self._log.drop()
+        self._newest.clear()
 
     def reset_shift(self) -> None:
         self._has_shift = False
@@ -109,6 +95,7 @@ class KVCells:
         self._shift = np.zeros(n, np.int32)
         self._ext = np.zeros((n, 2), np.int32)
         self._seq = np.zeros((SEQ_WORDS, n), np.uint64)
+        self._log.max_cells = max(64, n // 8)  # patching more cells than this costs about a rebuild
         self.reset()
 
     def get_used(self) -> int:
@@ -124,6 +111,12 @@ class KVCells:
 
     def get_has_shift(self) -> bool:
         return self._has_shift
+
+    @property
+    def change_log(self) -> ChangeLog:
+        """The cells whose sequence set changed, for readers that keep something derived from the bits (read it
+        only: see :class:`~kvcache_ggml.cellindex.ChangeLog`)."""
+        return self._log
 
     # ------------------------------------------------------------------ copies (for roll-back)
 
@@ -157,43 +150,9 @@ class KVCells:
         self._ext[idxs] = ext
         self._seq[:, idxs] = seq
         self._index_add(idxs[pos >= 0])
+        self._log.add(idxs)
 
-    # ------------------------------------------------------------------ one cell (llama.cpp's API)
-
-    def is_empty(self, i: int) -> bool:
-        return bool(self._pos[i] == -1)
-
-    def rm(self, i: int) -> None:
-        assert self._pos[i] != -1, f"rm() of empty cell {i}"
-        self.rm_many(np.array([i], np.int64))
-
-    def seq_rm(self, i: int, seq_id: int) -> bool:
-        """Remove ``seq_id`` from cell ``i``; True when the cell became empty."""
-        assert self.seq_has(i, seq_id) and self._pos[i] != -1
-        return bool(self.seq_rm_many(np.array([i], np.int64), seq_id).size)
-
-    def seq_keep(self, i: int, seq_id: int) -> bool:
-        """Keep only ``seq_id`` in cell ``i``; True when the cell became empty."""
-        if self._pos[i] == -1:
-            return False
-        return bool(self.seq_keep_many(np.array([i], np.int64), seq_id).size)
-
-    def seq_count(self, i: int) -> int:
-        assert self._pos[i] != -1, f"seq_count() of empty cell {i}"
-        return int(np.bitwise_count(self._seq[:, i]).sum())
-
-    def seq_has(self, i: int, seq_id: int) -> bool:
-        assert 0 <= seq_id < LLAMA_MAX_SEQ, f"seq_id {seq_id} out of [0, {LLAMA_MAX_SEQ})"
-        return bool(self._seq[seq_id >> 6, i] & _BIT[seq_id & 63])
-
-    def seq_add(self, i: int, seq_id: int) -> None:
-        assert self._pos[i] != -1 and not self.seq_has(i, seq_id)
-        self.seq_add_many(np.array([i], np.int64), seq_id)
-
-    def seq_get(self, i: int) -> int:
-        """The only sequence of cell ``i`` (the cell must hold exactly one)."""
-        assert self.seq_count(i) == 1, f"seq_get() of cell {i} with {self.seq_count(i)} sequences"
-        return int(self.seq_get_many(np.array([i], np.int64))[0])
+    # ------------------------------------------------------------------ sequence positions
 
     def seq_pos_min(self, seq_id: int) -> int:
         ms = self._seq_pos.get(seq_id)
@@ -203,37 +162,20 @@ class KVCells:
         ms = self._seq_pos.get(seq_id)
         return ms.keys[-1] if ms else -1
 
-    def pos_get(self, i: int) -> int:
-        assert self._pos[i] != -1, f"pos_get() of empty cell {i}"
-        return int(self._pos[i])
+    def seq_pos_bounds(self, seq_id: int) -> tuple[int, int]:
+        """(seq_pos_min, seq_pos_max) in one call."""
+        ms = self._seq_pos.get(seq_id)
+        return (ms.keys[0], ms.keys[-1]) if ms is not None else (-1, -1)
 
-    def ext_get(self, i: int) -> CellExt:
-        assert self._pos[i] != -1, f"ext_get() of empty cell {i}"
-        return CellExt(int(self._ext[i, 0]), int(self._ext[i, 1]))
-
-    def get_shift(self, i: int) -> int:
-        assert self._pos[i] != -1, f"get_shift() of empty cell {i}"
-        return int(self._shift[i])
-
-    def pos_in(self, i: int, p0: int, p1: int) -> bool:
-        return bool(p0 <= self._pos[i] < p1)
-
-    def pos_set(self, i: int, p: int) -> None:
-        assert self._pos[i] == -1 and not self._seq[:, i].any(), f"pos_set() of occupied cell {i}"
-        self._pos[i] = p
-        self._used.insert(np.array([i], np.int64))
-
-    def ext_set(self, i: int, ext: CellExt | tuple[int, int]) -> None:
-        self._ext[i] = (ext.x, ext.y) if isinstance(ext, CellExt) else ext
-
-    def pos_add(self, i: int, d: int) -> bool:
-        """Shift the position of cell ``i`` by ``d``; True when it went negative and the cell was emptied."""
-        assert self._pos[i] != -1, f"pos_add() of empty cell {i}"
-        return bool(self.pos_add_many(np.array([i], np.int64), d).size)
-
-    def pos_div(self, i: int, d: int) -> None:
-        assert self._pos[i] != -1, f"pos_div() of empty cell {i}"
-        self.pos_div_many(np.array([i], np.int64), d)
+    def seq_pos_within(self, seq_ids: list[int], his: list[int] | None) -> bool:
+        """Every sequence of ``seq_ids`` holds cells, all at positions in [0, his[k]] (in [0, inf) when ``his`` is
+        None): the kq mask rows of its tokens then need no position test."""
+        get = self._seq_pos.get
+        for k, s in enumerate(seq_ids):
+            ms = get(s)
+            if ms is None or ms.keys[0] < 0 or (his is not None and ms.keys[-1] > his[k]):
+                return False
+        return True
 
     # ------------------------------------------------------------------ vectorised queries
 
@@ -360,6 +302,7 @@ class KVCells:
         """Empty the (non-empty) cells ``idxs``."""
         self._index_remove(idxs)
         self._clear_cells(idxs)
+        self._log.add(idxs)
 
     def seq_rm_many(self, idxs: np.ndarray, seq_id: int) -> np.ndarray:
         """Remove ``seq_id`` from the cells ``idxs`` (all hold it); returns the cells that became empty."""
@@ -379,7 +322,44 @@ class KVCells:
         if emptied.size:
             self._clear_cells(emptied)
             self._used.erase(emptied)
+        self._log.add_seq(idxs, seq_id)  # (an emptied cell held only seq_id)
         return emptied
+
+    def seq_rm_last(self, seq_id: int, p0: int, p1: int) -> int | None:
+        """Fast path of ``seq_rm_many(find(p0, p1, seq_id), seq_id)`` for the undo of a decode step: when the only
+        cell of ``seq_id`` in [p0, p1) holds its largest position and is the cell of its last placement, remove the
+        sequence from it with scalar Python and return the cell if it became empty, else -1.  None (nothing done)
+        when the cells do not look like that."""
+        ms = self._seq_pos.get(seq_id)  # (a sequence without cells has no multiset)
+        if ms is None:
+            return None
+        keys = ms.keys
+        p = keys[-1]
+        if p < p0 or p >= p1 or ms.counts[-1] != 1 or (len(keys) > 1 and keys[-2] >= p0):
+            return None
+        # one cell of the sequence holds p: if the hinted cell holds the sequence at p, it is that cell
+        i = self._newest.get(seq_id, -1)
+        if i < 0 or self._pos.item(i) != p:
+            return None
+        seq, w, bit = self._seq, seq_id >> 6, 1 << (seq_id & 63)
+        word = seq.item(w, i)
+        if not word & bit:
+            return None
+        keys.pop()  # ms.dec(p) of the largest position, held once
+        ms.counts.pop()
+        if not keys:
+            del self._seq_pos[seq_id]
+        word ^= bit
+        seq[w, i] = word
+        self._log.add_one(i, seq_id)
+        if word or seq.item(0, i) or seq.item(1, i) or seq.item(2, i) or seq.item(3, i):  # (SEQ_WORDS words)
+            return -1
+        self._pos[i] = -1
+        self._ext[i, 0] = 0
+        self._ext[i, 1] = 0
+        self._shift[i] = 0
+        self._used.erase_one(i)
+        return i
 
     def seq_keep_many(self, idxs: np.ndarray, seq_id: int) -> np.ndarray:
         """Keep only ``seq_id`` in the (non-empty) cells ``idxs``; returns the cells that became empty."""
@@ -393,6 +373,7 @@ class KVCells:
             self._seq[:, multi] = 0
             self._seq[seq_id >> 6, multi] = _BIT[seq_id & 63]
             self._index_add(multi)
+            self._log.add(multi)
         if drop.size:
             self.rm_many(drop)
         return drop
@@ -401,6 +382,7 @@ class KVCells:
         """Add ``seq_id`` to the (non-empty) cells ``idxs``, none of which holds it yet."""
         self._seq[seq_id >> 6, idxs] |= _BIT[seq_id & 63]
         self._ms(seq_id).update(self._pos[idxs], +1)
+        self._log.add_seq(idxs, seq_id)
 
     def pos_add_many(self, idxs: np.ndarray, d: int | np.ndarray) -> np.ndarray:
         """Shift the (non-empty) cells ``idxs`` by ``d`` (one value or one per cell); returns the cells emptied
@@ -416,6 +398,7 @@ class KVCells:
             self._seq[:, emptied] = 0
             self._pos[emptied] = -1
             self._shift[emptied] = 0
+            self._log.add(emptied)
         self._index_add(idxs[~neg])
         return emptied
 
@@ -437,26 +420,67 @@ class KVCells:
         ``seq_ids`` is int32 [n, w]: the sequences of each cell, padded with -1 (the ubatch layout).
         """
         if idxs.size == 1 and seq_ids.shape[1] == 1:
-            i, p, s = int(idxs[0]), int(pos[0]), int(seq_ids[0, 0])
-            self._pos[i] = p
+            self.place_one(idxs.item(0), pos.item(0), seq_ids.item(0))
             if ext is not None:
-                self._ext[i] = ext[0]
-            self._used.insert(idxs)
-            self._seq[s >> 6, i] |= _BIT[s & 63]
-            self._ms(s).inc(p)
+                self._ext[idxs.item(0)] = ext[0]
             return
         self._pos[idxs] = pos
         if ext is not None:
             self._ext[idxs] = ext
-        self._used.insert(idxs)
         if seq_ids.shape[1] == 1:
             col = seq_ids[:, 0]
+            if col.size <= LLAMA_MAX_SEQ:  # up to a decode step of several sequences: Python lists
+                cl, il = col.tolist(), idxs.tolist()
+                self._used.insert_bounds(min(il), max(il) + 1, len(il))
+                if cl.count(cl[0]) < len(cl):
+                    self._place_seqs(idxs, col, cl, pos.tolist(), il)
+                    return
+                self.seq_add_many(idxs, cl[0])
+                return
+            self._used.insert(idxs)
             first = int(col[0])
-            if col.size == 1 or (col == first).all():
+            if (col == first).all():
                 self.seq_add_many(idxs, first)
                 return
+        else:
+            self._used.insert(idxs)
         for s in np.unique(seq_ids[seq_ids >= 0]).tolist():
             self.seq_add_many(idxs[(seq_ids == s).any(axis=1)], s)
+
+    def _place_seqs(self, idxs: np.ndarray, col: np.ndarray, cl: list[int], pl: list[int], il: list[int]) -> None:
+        """place()'s sequences when each cell has one of several (the decode step of several sequences): one bit per
+        cell at once, the position multisets with scalar Python.  ``cl``/``pl``/``il``: sequences, positions, cells
+        as lists; ``col``: the sequences as an int32 array."""
+        bits = _BIT_OF[col]                                   # uint64 [n]: each cell's sequence bit in its word
+        if max(cl) < 64:
+            self._seq[0, idxs] |= bits
+        else:
+            self._seq[col >> 6, idxs] |= bits
+        newest, seq_pos = self._newest, self._seq_pos
+        for s, p, i in zip(cl, pl, il):
+            ms = seq_pos.get(s)
+            if ms is not None and p > ms.keys[-1]:  # ms.inc(p) past the largest position
+                ms.keys.append(p)
+                ms.counts.append(1)
+            else:
+                self._ms(s).inc(p)
+            newest[s] = i
+        self._log.add_seq(idxs, col if not col.flags.writeable else col.copy())
+
+    def place_one(self, i: int, p: int, s: int) -> None:
+        """place() of one cell ``i``, position ``p``, sequence ``s`` with scalar Python (the decode step)."""
+        self._pos[i] = p
+        self._used.insert_one(i)
+        w = s >> 6
+        self._seq[w, i] = self._seq.item(w, i) | 1 << (s & 63)
+        ms = self._seq_pos.get(s)
+        if ms is not None and p > ms.keys[-1]:  # ms.inc(p) past the largest position
+            ms.keys.append(p)
+            ms.counts.append(1)
+        else:
+            self._ms(s).inc(p)
+        self._log.add_one(i, s)
+        self._newest[s] = i
 
     # ------------------------------------------------------------------ consistency
 

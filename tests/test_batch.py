@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvcache_ggml.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, UBatch
+from kvcache_ggml.batch import LLAMA_MAX_SEQ, Batch, BatchAllocator, UBatch, read_debug_env
 
 
 # ================================================================================================ helpers
@@ -669,9 +669,12 @@ def test_split_reset_restarts():
 
 
 def test_debug_logging(monkeypatch, caplog):
+    import kvcache_ggml.batch._allocator as allocator_module
+    monkeypatch.setattr(allocator_module, "_DEBUG", None)  # restored afterwards: later allocators do not log
     monkeypatch.setenv("LLAMA_BATCH_DEBUG", "2")
-    alloc = BatchAllocator(1)
-    monkeypatch.delenv("LLAMA_BATCH_DEBUG")  # read once, at construction
+    alloc = BatchAllocator(1)  # the first allocator reads the variable
+    monkeypatch.delenv("LLAMA_BATCH_DEBUG")  # read once per process
+    assert BatchAllocator(1)._debug == 2 and read_debug_env() == 0 and BatchAllocator(1)._debug == 0
     with caplog.at_level(logging.DEBUG, logger="kvcache_ggml.batch"):
         alloc.init(Batch(token=[1, 2], seq_id=[[0, 1], [0]]), 100, None, 4, 4, False)
         alloc.split_simple(8)

@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from ._lib import FUNCTIONS as _F
-from ._lib import TensorP
+from ._lib import TensorP, ggml_tensor
 from ._types import (GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MEM_ALIGN, GGML_MAX_SRC, GGMLOp, GGMLType, _cstr, is_quantized,
                      parse_type, row_size, type_name)
 
@@ -57,6 +57,17 @@ def header(t: TensorP) -> tuple[int, tuple[int, ...], tuple[int, ...], int, int]
     """(type, ne, nb, buffer, data) of a tensor in one read of its struct -- for per-step hot paths."""
     c = _c(t)
     return c.type, tuple(c.ne[:]), tuple(c.nb[:]), c.buffer or 0, c.data or 0  # [:] is 3x faster than iterating
+
+
+_HEADER_WORDS = (ggml_tensor.data.offset + ctypes.sizeof(ctypes.c_void_p) + 7) // 8  # struct start .. data pointer
+
+
+def header_words(t: TensorP) -> np.ndarray:
+    """int64 [_HEADER_WORDS]: a live view (no copy) of the tensor's struct from its start through its data pointer
+    -- type, buffer, ne, nb, op and its parameters, flags, sources, view, data.  While these words stay the same, so
+    does all that :func:`header` reads: a per-step check compares them (one numpy call) instead of reading fields.
+    The view reads the struct's memory: use it only while the tensor lives, as the pointer ``t`` itself."""
+    return np.ctypeslib.as_array((ctypes.c_int64 * _HEADER_WORDS).from_address(ctypes.addressof(_c(t))))
 
 
 def ttype(t: TensorP) -> GGMLType:

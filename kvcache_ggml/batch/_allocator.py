@@ -16,10 +16,11 @@ from typing import Protocol
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
+from ._decode import init_decode
 from ._input import Batch, _filled
-from ._split import BatchSplitter
-from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, UBatch, _atoi, _distinct, _present_seqs,
-                      _print_ubatch, _seq_pos_stats)
+from ._split import BatchSplitter, seq_groups
+from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, UBatch, _atoi, _distinct,
+                      _present_seqs, _print_ubatch, _seq_pos_stats)
 
 logger = logging.getLogger("kvcache_ggml.batch")
 
@@ -28,6 +29,18 @@ logger = logging.getLogger("kvcache_ggml.batch")
 _Groups = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
 # per present sequence: (smallest position, largest position, number of distinct positions) in the batch
 _Stats = dict[int, tuple[int, int, int]]
+
+# LLAMA_BATCH_DEBUG's level, read once per process by the first allocator (llama.cpp reads it in each allocator's
+# constructor; os.environ.get costs a microsecond, a twentieth of a decode step that builds its allocator);
+# read_debug_env() reads it again
+_DEBUG: int | None = None
+
+
+def read_debug_env() -> int:
+    """Read LLAMA_BATCH_DEBUG again; allocators made from now on use the new level."""
+    global _DEBUG
+    _DEBUG = _atoi(os.environ.get("LLAMA_BATCH_DEBUG"))
+    return _DEBUG
 
 
 class MemoryPositions(Protocol):
@@ -47,15 +60,9 @@ class BatchAllocator(BatchSplitter):
         if int(n_pos_per_embd) < 1:
             raise ValueError(f"n_pos_per_embd = {n_pos_per_embd}, expected >= 1")
         self.n_pos_per_embd = int(n_pos_per_embd)
-        self._debug = _atoi(os.environ.get("LLAMA_BATCH_DEBUG"))
-        self._n_vocab = self._n_embd = self._n_seq_max = 0
-        self._has_cpl = False
-        self._token = self._embd = self._pos_all = self._pos0 = self._pos2d = None
-        self._n_seq_id = self._seq2d = self._seq0 = self._output = None
-        self._seqs = self._grp = None
-        self._gid = self._gorder = self._gstart = self._gsize = self._gmask = self._gseq = self._seq2g = None
-        self._used = np.zeros(0, bool)
-        self._hint = 0
+        self._debug = _DEBUG if _DEBUG is not None else read_debug_env()
+        self.fast = True
+        # the batch's fields are set by init (_commit); until then only what _clear sets is read
         self._clear()
 
     # ------------------------------------------------------------------------------------------------ init
@@ -65,7 +72,14 @@ class BatchAllocator(BatchSplitter):
         """Validate ``batch`` and fill in its missing fields (llama_batch_allocr::init).
 
         Raises ValueError where llama.cpp returns false; the allocator then holds no batch and can be reused.
+        The decode step (n tokens of n distinct sequences) takes a fast path, :func:`._decode.init_decode`, with
+        the same result.
         """
+        # the fast path commits everything _clear resets, or changes nothing (it clears if the memory raises)
+        if (self.fast and self._debug <= 0 and type(batch) is Batch and type(n_vocab) is int
+                and type(n_seq_max) is int and type(n_embd) is int
+                and init_decode(self, batch, n_vocab, memory, n_seq_max, output_all)):
+            return
         self._clear()
         if not isinstance(batch, Batch):
             raise TypeError(f"batch: expected a Batch, got {type(batch).__name__}")
@@ -89,8 +103,7 @@ class BatchAllocator(BatchSplitter):
         if self._debug > 0:
             self._print_input(batch, pos_all, seqs, seq2d, n_seq_id, output, n_outputs, stats)
         self._check_consistency(batch, memory, seqs, mem_max, stats, pos0, seq2d, n_seq_id, has_cpl)
-        self._commit(batch, n_vocab, n_embd, n_seq_max, pos_all, pos0, seq2d, seq0, n_seq_id, has_cpl, seqs, grp,
-                     stats, output, n_outputs)
+        self._commit(batch, pos_all, pos0, seq2d, seq0, n_seq_id, has_cpl, seqs, grp, stats, output, n_outputs)
 
     # -- validation of the input --------------------------------------------------------------------------
 
@@ -155,13 +168,9 @@ class BatchAllocator(BatchSplitter):
             return _present_seqs(seq2d[seq2d >= 0]).tolist(), None
         if seq2d.shape[0] == 1:
             return [seq2d.item(0)], None
-        per_seq = np.bincount(seq0)
-        useq = per_seq.nonzero()[0]
-        seqs = useq.tolist()
-        if len(seqs) == 1:
-            return seqs, None
-        gsize = per_seq[useq]
-        return seqs, (useq, seq0.argsort(kind="stable"), gsize.cumsum() - gsize, gsize)
+        grp = seq_groups(seq0)
+        seqs = grp[0].tolist()
+        return seqs, (grp if len(seqs) > 1 else None)
 
     # -- positions ----------------------------------------------------------------------------------------
 
@@ -367,16 +376,15 @@ class BatchAllocator(BatchSplitter):
 
     # -- commit -------------------------------------------------------------------------------------------
 
-    def _commit(self, batch: Batch, n_vocab: int, n_embd: int, n_seq_max: int, pos_all: np.ndarray,
-                pos0: np.ndarray, seq2d: np.ndarray, seq0: np.ndarray, n_seq_id: np.ndarray, has_cpl: bool,
-                seqs: list[int], grp: _Groups, stats: _Stats, output: np.ndarray, n_outputs: int) -> None:
+    def _commit(self, batch: Batch, pos_all: np.ndarray, pos0: np.ndarray, seq2d: np.ndarray, seq0: np.ndarray,
+                n_seq_id: np.ndarray, has_cpl: bool, seqs: list[int], grp: _Groups, stats: _Stats,
+                output: np.ndarray, n_outputs: int) -> None:
         """Make the validated batch current and reset the splits."""
         n = batch.n_tokens
         npe = self.n_pos_per_embd
         token = batch.token
         self._batch = batch
         self._n = n
-        self._n_vocab, self._n_embd, self._n_seq_max = n_vocab, n_embd, n_seq_max
         self._n_outputs = n_outputs
         self._has_cpl = has_cpl
         self._token = token
@@ -394,7 +402,7 @@ class BatchAllocator(BatchSplitter):
         self._grp = grp
         self._gorder = None
         # split_reset() without its check: the batch was just set
-        self._used = np.zeros(n, bool)
+        self._used = None
         self._n_used = 0
         self._out_ids = []
         self._hint = 0

@@ -12,6 +12,8 @@ import numpy as np
 _I32_MIN = -(2**31)
 _I32_MAX = 2**31 - 1
 _I8_MIN, _I8_MAX = -128, 127
+_I32 = np.dtype(np.int32)  # numpy keeps one instance of each native dtype: ``a.dtype is _I32`` is the fast test
+_I8 = np.dtype(np.int8)
 # numpy >= 2 raises OverflowError when a Python int does not fit the requested dtype (1.x wraps with a warning)
 _NUMPY2 = int(np.__version__.split(".")[0]) >= 2
 
@@ -109,6 +111,8 @@ class Batch:
     n_tokens: int = field(init=False)   # number of tokens (rows of token/embd)
 
     def __post_init__(self) -> None:
+        if self._is_plain_tokens():
+            return
         if (self.token is None) == (self.embd is None):
             raise ValueError("Batch: give exactly one of token= and embd=")
         if self.token is not None:
@@ -172,6 +176,32 @@ class Batch:
             if lg.shape != (n,):
                 raise ValueError(f"logits: shape {lg.shape}, expected [n_tokens={n}]")
             self.logits = lg
+
+    def _is_plain_tokens(self) -> bool:
+        """Fast path (the decode step's batch): int32 numpy tokens [n], positions [n] or None, sequence ids [n] or
+        [n, 1] or None, int8 flags [n] or None, no n_seq_id.  Sets what the general path would (the same arrays,
+        ``seq_id`` as [n, 1], a fresh ``n_seq_id`` of ones) and returns True; False leaves everything to it."""
+        tok, pos, seq, lg = self.token, self.pos, self.seq_id, self.logits
+        if type(tok) is not np.ndarray or tok.dtype is not _I32 or tok.ndim != 1 or self.embd is not None:
+            return False
+        n = tok.shape[0]
+        if n == 0 or self.n_seq_id is not None:
+            return False
+        if pos is not None and (type(pos) is not np.ndarray or pos.dtype is not _I32 or pos.shape != (n,)):
+            return False
+        if lg is not None and (type(lg) is not np.ndarray or lg.dtype is not _I8 or lg.shape != (n,)):
+            return False
+        if seq is not None:
+            if type(seq) is not np.ndarray or seq.dtype is not _I32:
+                return False
+            shape = seq.shape
+            if shape == (n,):
+                seq = self.seq_id = seq.reshape(n, 1)
+            elif shape != (n, 1):
+                return False
+            self.n_seq_id = _filled(n, 1)
+        self.n_tokens = n
+        return True
 
     @property
     def n_pos(self) -> int:

@@ -8,27 +8,33 @@ of the group's members, so the number of used members of a group is also the ind
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
+
 import numpy as np
 
 from .._consts import SEQ_WORDS
-from ._ubatch import _SEQ_IDX_NONE, UBatch, _empty_ubatch, _present_seqs, _print_ubatch
+from ._ubatch import _SEQ_IDX_NONE, _TOKEN_IDS, UBatch, _decode_arrays, _empty_ubatch, _present_seqs, _print_ubatch
 
 logger = logging.getLogger("kvcache_ggml.batch")
+_NO_STATS = MappingProxyType({})  # no batch: no sequence statistics (read-only; init commits a dict)
+_NO_OUT_IDS = ()                   # no batch: no output ids (init commits a list)
 
 
 class BatchSplitter:
     """The validated batch and the split methods over it; :class:`BatchAllocator` validates and fills it."""
 
     __slots__ = (
-        "n_pos_per_embd", "_debug",
+        # n_pos_per_embd, LLAMA_BATCH_DEBUG's level, and whether init and the splits may take the decode step's
+        # fast paths (the equivalence tests turn them off to compare them with the general path)
+        "n_pos_per_embd", "_debug", "fast",
         # the current batch (_batch is None when there is none: before init, after a failed init or
         # ubatch_reserve); the arrays below are read only while it is set
-        "_batch", "_n", "_n_vocab", "_n_embd", "_n_seq_max", "_n_outputs", "_has_cpl",
+        "_batch", "_n", "_n_outputs", "_has_cpl",
         "_token", "_embd", "_pos_all", "_pos0", "_pos2d", "_n_seq_id", "_seq2d", "_seq0", "_output",
         "_seq_stats", "_seqs", "_grp",
         # sequence-set groups, built on first use by split_equal/split_seq
         "_gid", "_gorder", "_gstart", "_gsize", "_gmask", "_gseq", "_seq2g",
-        # split state
+        # split state (_used: None until a split marks a token, see _used_mask)
         "_used", "_n_used", "_out_ids", "_hint",
     )
 
@@ -39,9 +45,9 @@ class BatchSplitter:
         self._batch = None
         self._n = 0
         self._n_outputs = 0
-        self._seq_stats = {}
+        self._seq_stats = _NO_STATS
         self._n_used = 0
-        self._out_ids = []
+        self._out_ids = _NO_OUT_IDS
 
     def _require_batch(self, what: str) -> None:
         if self._batch is None:
@@ -53,20 +59,29 @@ class BatchSplitter:
     def split_reset(self) -> None:
         """Mark every token unused and forget the output ids (done by init)."""
         self._require_batch("split_reset")
-        self._used = np.zeros(self._n, bool)
+        self._used = None
         self._n_used = 0
         self._out_ids = []
         self._hint = 0
 
     def _first_unused(self) -> int:
         """The first unused token (n if none).  Tokens before the hint are used, and stay used until
-        split_reset, so the search resumes there."""
+        split_reset, so the search resumes there (the decode step's split marks every token used by moving the
+        hint past them, without touching ``_used``)."""
         h, n, used = self._hint, self._n, self._used
-        if h < n and used[h]:
+        if used is not None and h < n and used[h]:
             free = (~used[h:]).nonzero()[0]
             h = h + int(free[0]) if free.shape[0] else n
             self._hint = h
         return h
+
+    def _used_mask(self) -> np.ndarray:
+        """bool [n]: the tokens the splits used since the reset, allocated when a split first marks one (None
+        before: the decode step's split never needs it)."""
+        used = self._used
+        if used is None:
+            used = self._used = np.zeros(self._n, bool)
+        return used
 
     @staticmethod
     def _check_n_ubatch(n_ubatch: int) -> int:
@@ -77,18 +92,24 @@ class BatchSplitter:
 
     def split_simple(self, n_ubatch: int) -> UBatch:
         """Up to n_ubatch tokens in batch order from the first unused one; sequence sets of any lengths."""
-        self._require_batch("split_simple")
-        n_ubatch = self._check_n_ubatch(n_ubatch)
+        if self._batch is None:
+            self._require_batch("split_simple")
+        if type(n_ubatch) is not int or n_ubatch < 0:
+            n_ubatch = self._check_n_ubatch(n_ubatch)
         h = self._first_unused()
         if h >= self._n:
             return _empty_ubatch()
         # as llama.cpp: the run after the first unused token is taken whole (always at least one token)
         k = max(1, min(n_ubatch, self._n - h))
-        self._used[h:h + k] = True
-        self._n_used += k
         seqs = self._seqs
-        unq = np.array(seqs, np.int32) if len(seqs) == 1 else None
-        return self._ubatch_add(np.arange(h, h + k), k, False, unq)
+        if k == self._n == len(seqs) and not self._has_cpl and self.fast:  # the decode step: one token per sequence
+            self._n_used, self._hint = k, k
+            return self._ubatch_decode(k, False)
+        self._used_mask()[h:h + k] = True
+        self._n_used += k
+        # one sequence, or the whole batch without coupling: the ubatch has the batch's sequences
+        unq = np.array(seqs, np.int32) if len(seqs) == 1 or (k == self._n and not self._has_cpl) else None
+        return self._ubatch_span(h, k, k, False, unq)
 
     def split_equal(self, n_ubatch: int, sequential: bool) -> UBatch:
         """Sequence sets that share no sequence, the same number of tokens from each.
@@ -106,16 +127,22 @@ class BatchSplitter:
         n = self._n
         if h >= n:
             return _empty_ubatch()
-        if self._grp is None and not self._has_cpl:
+        if len(self._seqs) == 1 and not self._has_cpl:
             # one sequence: one set whose unused tokens are h.., as many rounds as n_ubatch allows
             k = min(n - h, max(1, n_ubatch))
-            self._used[h:h + k] = True
+            self._used_mask()[h:h + k] = True
             self._n_used += k
-            return self._ubatch_add(np.arange(h, h + k), 1, True, np.array(self._seqs, np.int32))
+            return self._ubatch_span(h, k, 1, True, np.array(self._seqs, np.int32))
+        if n == len(self._seqs) and not self._n_used and n <= n_ubatch and not self._has_cpl and self.fast:
+            # the decode step: one token of each of n sequences.  split_equal takes them all, in batch order, when
+            # the scan below would: always, or (sequential) when the ids rise by one in batch order
+            if not sequential or self._seq0_rise_by_one():
+                self._n_used, self._hint = n, n
+                return self._ubatch_decode(n, True)
 
         self._ensure_groups()
         gorder, gstart, gsize = self._gorder, self._gstart, self._gsize
-        used = self._used
+        used = self._used_mask()
         n_used_g = np.bincount(self._gid[used], minlength=gsize.shape[0])
         lo = gstart + n_used_g  # each group's first unused member: its used members are a prefix
         rem = gsize - n_used_g
@@ -142,6 +169,11 @@ class BatchSplitter:
             if n_seqs > 1:
                 unq.sort()
         return self._ubatch_add(idxs, n_seqs, True, unq)
+
+    def _seq0_rise_by_one(self) -> bool:
+        """The tokens' sequence ids are consecutive and rising in batch order (s, s + 1, s + 2, ...)."""
+        seqs = self._seqs  # (ascending and distinct: consecutive iff they span n - 1)
+        return seqs[-1] - seqs[0] == self._n - 1 and self._seq0.tolist() == seqs
 
     def _take_disjoint(self, n_ubatch: int, lo: np.ndarray, rem: np.ndarray) -> list[int]:
         """split_equal's groups (at most n_ubatch + 1) that share no sequence, in the order of their first unused
@@ -203,7 +235,7 @@ class BatchSplitter:
             # the only subset of {s} is {s}: the sequence's unused tokens, which start at h
             s = int(self._seq0[h])
             unq = np.array([s], np.int32)
-            if self._grp is None:
+            if len(self._seqs) == 1:
                 idxs = np.arange(h, min(n, h + cap))
             else:
                 self._ensure_groups()
@@ -215,7 +247,7 @@ class BatchSplitter:
                 idxs = gorder[k:min(b, k + cap)]
         else:
             self._ensure_groups()
-            gid, used, gmask = self._gid, self._used, self._gmask
+            gid, used, gmask = self._gid, self._used_mask(), self._gmask
             g = int(gid[h])
             unq = None
             parts = [np.array([h], np.intp)]
@@ -241,7 +273,7 @@ class BatchSplitter:
                 p = int(cand[e])
                 g = int(gid[p])
             idxs = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        self._used[idxs] = True
+        self._used_mask()[idxs] = True
         self._n_used += idxs.shape[0]
         return self._ubatch_add(idxs, 1, True, unq)
 
@@ -255,6 +287,8 @@ class BatchSplitter:
             return
         n = self._n
         if not self._has_cpl:
+            if self._grp is None:  # several sequences committed by the decode fast path: grouped on first use
+                self._grp = seq_groups(self._seq0)
             gseq, gorder, gstart, gsize = self._grp
             gid = np.empty(n, np.intp)
             gid[gorder] = np.arange(gsize.shape[0]).repeat(gsize)
@@ -290,8 +324,6 @@ class BatchSplitter:
         """Gather the tokens ``idxs`` (n_seqs sets of equal length, in order) into a new UBatch.
 
         ``unq``: the ubatch's distinct sequence ids (a fresh int32 array, ascending) when the splitter knows them."""
-        n_tokens = idxs.shape[0]
-        assert n_tokens % n_seqs == 0, f"{n_tokens} tokens do not split into {n_seqs} equal sequence sets"
         npe = self.n_pos_per_embd
         token = self._token[idxs] if self._token is not None else None
         embd = self._embd[idxs] if self._embd is not None else None
@@ -302,9 +334,56 @@ class BatchSplitter:
             pos = np.tile(self._pos0[idxs], npe)
         else:
             pos = self._pos2d[:, idxs].reshape(-1)
-        n_seq_id = self._n_seq_id[idxs]
-        output = self._output[idxs]
-        seq_id = self._seq2d[idxs]
+        return self._new_ubatch(idxs, n_seqs, equal_seqs, unq, token, embd, pos, self._n_seq_id[idxs],
+                                self._seq2d[idxs], self._output[idxs])
+
+    def _ubatch_span(self, h: int, k: int, n_seqs: int, equal_seqs: bool, unq: np.ndarray | None) -> UBatch:
+        """_ubatch_add of the consecutive tokens [h, h + k) (split_simple, one sequence, the decode step): copies of
+        slices, cheaper than gathers."""
+        sl = slice(h, h + k)
+        npe = self.n_pos_per_embd
+        token = self._token[sl].copy() if self._token is not None else None
+        embd = self._embd[sl].copy() if self._embd is not None else None
+        if npe == 1:
+            pos = self._pos0[sl].copy()
+        elif self._pos2d is None:
+            pos = np.tile(self._pos0[sl], npe)
+        else:
+            pos = self._pos2d[:, sl].flatten()
+        return self._new_ubatch(np.arange(h, h + k), n_seqs, equal_seqs, unq, token, embd, pos,
+                                self._n_seq_id[sl].copy(), self._seq2d[sl].copy(), self._output[sl].copy())
+
+    def _ubatch_decode(self, n: int, equal_seqs: bool) -> UBatch:
+        """_ubatch_add of the whole batch when it is a decode step (n tokens, n distinct sequences, no coupling,
+        every token unused before): the arrays that only depend on the sequences are shared read-only ones."""
+        assert n == self._n and not self._has_cpl
+        npe = self.n_pos_per_embd
+        seq_id, n_seq_id, unq, seq_idx = _decode_arrays(self._seq0.item(0) if n == 1 else tuple(self._seq0.tolist()))
+        output = self._output
+        if output.flags.writeable:  # the caller's flags (the allocator's own defaults are read-only)
+            output = output.copy()
+        n_out = self._n_outputs
+        if n_out == n:
+            self._out_ids.append(_TOKEN_IDS[:n])
+        elif n_out:
+            self._out_ids.append(output.nonzero()[0])
+        pos = self._pos0.copy() if npe == 1 else (np.tile(self._pos0, npe) if self._pos2d is None else
+                                                 self._pos_all.copy())
+        ub = UBatch(n, 1, n, n, npe, equal_seqs,
+                    None if self._token is None else self._token.copy(),
+                    None if self._embd is None else self._embd.copy(), pos, n_seq_id, seq_id, unq, seq_idx, output)
+        if self._debug > 0:
+            logger.debug("ubatch_add: added ubatch to split:")
+            _print_ubatch(ub, self._n_outputs, self._debug > 1)
+        return ub
+
+    def _new_ubatch(self, idxs: np.ndarray, n_seqs: int, equal_seqs: bool, unq: np.ndarray | None,
+                    token: np.ndarray | None, embd: np.ndarray | None, pos: np.ndarray, n_seq_id: np.ndarray,
+                    seq_id: np.ndarray, output: np.ndarray) -> UBatch:
+        """The UBatch of the tokens ``idxs`` from their gathered fields; records their output ids."""
+        n_tokens = idxs.shape[0]
+        assert n_tokens % n_seqs == 0, f"{n_tokens} tokens do not split into {n_seqs} equal sequence sets"
+        npe = self.n_pos_per_embd
         if self._has_cpl:
             w = int(n_seq_id.max())
             if w < seq_id.shape[1]:
@@ -338,3 +417,12 @@ class BatchSplitter:
             logger.debug("ubatch_add: added ubatch to split:")
             _print_ubatch(ub, self._n_outputs, self._debug > 1)
         return ub
+
+
+def seq_groups(seq0: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens grouped by their (only) sequence id ``seq0`` int32 [n]: (the sequence ids present, ascending; the
+    stable argsort of ``seq0``; start and size of each sequence's run in that order)."""
+    per_seq = np.bincount(seq0)
+    useq = per_seq.nonzero()[0]
+    gsize = per_seq[useq]
+    return useq, seq0.argsort(kind="stable"), gsize.cumsum() - gsize, gsize

@@ -29,11 +29,35 @@ _EMPTY_SEQ = _frozen(np.full((0, 1), -1, np.int32))
 _ONE_N_SEQ_ID = _frozen(np.ones(1, np.int32))
 _ONE_SEQ0 = _frozen(np.zeros((1, 1), np.int32))
 _ONE_OUT = _frozen(np.ones(1, np.int8))
+_TOKEN_IDS = _frozen(np.arange(LLAMA_MAX_SEQ))  # batch indices 0..n-1 of a decode step's tokens: _TOKEN_IDS[:n]
+_DECODE_SETS: dict[int | tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _decode_arrays(ids: int | tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The arrays of a decode ubatch that depend only on its sequences -- token i has the one sequence ids[i], all
+    distinct (an int: the one sequence of a one-token ubatch): (seq_id int32 [n, 1], n_seq_id int32 [n] of ones,
+    seq_id_unq int32 [n] ascending, seq_idx int32 [LLAMA_MAX_SEQ]), read-only and shared by the ubatches of the
+    same sequences (the last 64 sets are kept)."""
+    arrs = _DECODE_SETS.get(ids)
+    if arrs is None:
+        if type(ids) is int:
+            ids = (ids,)
+        n = len(ids)
+        unq = np.array(sorted(ids), np.int32)
+        seq_idx = _SEQ_IDX_NONE.copy()
+        seq_idx[unq] = np.arange(n, dtype=np.int32)
+        arrs = (_frozen(np.array(ids, np.int32).reshape(n, 1)), _frozen(np.ones(n, np.int32)), _frozen(unq),
+                _frozen(seq_idx))
+        if len(_DECODE_SETS) >= 64:
+            _DECODE_SETS.clear()
+        _DECODE_SETS[ids if n > 1 else ids[0]] = arrs
+    return arrs
 
 
 @dataclass(slots=True, eq=False)
 class UBatch:
-    """One micro-batch (``llama_ubatch``); it owns its arrays.  ``n_tokens == 0`` marks "nothing left"."""
+    """One micro-batch (``llama_ubatch``); it owns its arrays (a decode step's ubatch shares the read-only ones
+    that only depend on its sequences: see ``_decode_arrays``).  ``n_tokens == 0`` marks "nothing left"."""
 
     n_tokens: int                 # total tokens (n_seq_tokens * n_seqs)
     n_seq_tokens: int             # tokens per sequence set
@@ -67,6 +91,8 @@ def _empty_ubatch() -> UBatch:
 
 def _atoi(text: str | None) -> int:
     """C ``atoi``: optional leading spaces and sign, then digits; 0 when there are none."""
+    if not text:  # unset: every allocator reads the variable
+        return 0
     m = re.match(r"\s*([+-]?\d+)", text or "")
     return int(m.group(1)) if m else 0
 

@@ -10,6 +10,11 @@ Errors follow three tiers: ``assert`` for internal invariants, ``RuntimeError`` 
 reaches only through a broken caller, such as an ubatch whose layout does not fit the streams), ``ValueError`` for
 bad input (an out-of-range sequence id, a cache-sized batch that can never fit, a shift on an M-RoPE model).
 Every check runs before any change: a failed call leaves the cells exactly as they were.
+
+The decode step (one token per sequence) takes fast paths with the same results: ``prepare`` of one ubatch places
+nothing, ``apply_ubatch`` on empty cells places with scalar Python (``_place_free``), and ``seq_rm`` of a
+sequence's newest cell (the undo of a step) removes it without a search (``KVCells.seq_rm_last``).
+tests/test_decode_fast_path.py runs them next to the general paths on random traces.
 """
 from __future__ import annotations
 
@@ -37,10 +42,14 @@ class KVBookkeeping:
     def __init__(self, params: KVCacheParams, n_pos_per_embd: int = 1) -> None:
         params.validate()
         self.n_seq_max = int(params.n_seq_max)        # sequences the cache serves
+        self.kv_size = int(params.kv_size)            # cells per stream
         self.n_stream = params.n_stream               # 1 when unified, else n_seq_max
         self.n_pad = int(params.n_pad)                # n_kv is padded to max(n_pad, 256)
+        n_pad_cur = max(self.n_pad, 256)
+        self.n_pad_cur = n_pad_cur                    # ... that is, to this
         self.n_swa = int(params.n_swa)                # sliding-window size
         self.swa_type = SwaType(params.swa_type)      # sliding-window rule
+        self.no_swa = self.swa_type == SwaType.NONE   # no window: a found cell is always empty
         self.n_pos_per_embd = int(n_pos_per_embd)     # positions per token (M-RoPE: 4); shifts need 1
         self.v_heads: list[int] = [0] * self.n_stream                              # next search start, per stream
         self.v_cells: list[KVCells] = [KVCells(params.kv_size) for _ in range(self.n_stream)]  # per stream
@@ -48,9 +57,11 @@ class KVBookkeeping:
         self.seq_to_stream = (np.zeros(LLAMA_MAX_SEQ, np.int32) if self.n_stream == 1
                               else np.arange(self.n_stream, dtype=np.int32))
         self.stream_of: list[int] = self.seq_to_stream.tolist()  # the same, for scalar lookups
+        self.n_seq_ids = len(self.stream_of)           # sequence ids of the memory API: [0, n_seq_ids)
         self.sc_info = StreamCopyInfo()                # whole-stream copies queued for the next update
         dbg = os.environ.get("LLAMA_KV_CACHE_DEBUG")
         self.debug = int(dbg) if dbg and dbg.lstrip("-").isdigit() else 0  # the seed's debug level
+        self.fast = True  # decode fast paths on (the equivalence tests turn them off to compare)
 
     # ================================================================== memory API
 
@@ -62,11 +73,18 @@ class KVBookkeeping:
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of ``seq_id`` (of every sequence when -1). Always True, as the seed."""
-        self.check_seq(seq_id, allow_all=True)
-        p0, p1 = _clamp_range(p0, p1)
+        if not 0 <= seq_id < self.n_seq_ids:
+            self.check_seq(seq_id, allow_all=True)
+        p0, p1 = (0 if p0 < 0 else p0), (INT32_MAX if p1 < 0 else p1)  # _clamp_range, inlined: a decode step's undo
         if seq_id >= 0:
             strm = self.stream_of[seq_id]
             cells = self.v_cells[strm]
+            if self.fast:  # the undo of a decode step: the sequence's newest cell is found without a search
+                i = cells.seq_rm_last(seq_id, p0, p1)
+                if i is not None:
+                    if i >= 0:
+                        self._lower_head_to(strm, i)
+                    return True
             idxs = cells.find(p0, p1, seq_id)
             emptied = cells.seq_rm_many(idxs, seq_id) if idxs.size else idxs
             self._lower_head(strm, emptied)
@@ -165,7 +183,8 @@ class KVBookkeeping:
         return self.v_cells[self.stream_of[seq_id]].seq_pos_min(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
-        self.check_seq(seq_id)
+        if not 0 <= seq_id < self.n_seq_ids:
+            self.check_seq(seq_id)
         return self.v_cells[self.stream_of[seq_id]].seq_pos_max(seq_id)
 
     def get_size(self) -> int:
@@ -181,15 +200,16 @@ class KVBookkeeping:
         return True
 
     def get_n_kv(self, sinfo: SlotInfo) -> int:
-        """Cells the attention must read for this slot: used range padded to max(n_pad, 256), capped at size."""
-        n_pad_cur = max(self.n_pad, 256)
-        res = 0
-        for s in sinfo.strm:
-            cells = self.v_cells[s]
-            used = cells.used_max_p1()
-            padded = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)  # GGML_PAD: a true multiple for powers of two
-            res = max(res, min(cells.size(), max(n_pad_cur, padded)))
-        return res
+        """Cells the attention must read for this slot: used range padded to max(n_pad, 256), capped at size
+        (of the slot's streams, the one that uses most: the padding is monotone)."""
+        n_pad_cur = self.n_pad_cur
+        strm = sinfo.strm
+        if len(strm) == 1:
+            used = self.v_cells[strm[0]].used_max_p1()
+        else:
+            used = max(self.v_cells[s].used_max_p1() for s in strm) if strm else 0
+        padded = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)  # GGML_PAD: a true multiple for powers of two
+        return min(self.kv_size, max(n_pad_cur, padded)) if strm else 0
 
     # ================================================================== preparation API
 
@@ -210,7 +230,7 @@ class KVBookkeeping:
             ubatches.append(ub)
         if balloc.get_n_used() < n_tokens:
             return None
-        size = self.get_size()
+        size = self.kv_size
         for ub in ubatches:
             per_stream = ub.n_tokens // (ub.n_seqs_unq if self.n_stream > 1 else 1)
             if per_stream > size:
@@ -246,70 +266,86 @@ class KVBookkeeping:
         last = len(ubatches) - 1
         for k, ub in enumerate(ubatches):
             sinfo = self.find_slot(ub, False)
-            if sinfo.empty():
+            if not sinfo.idxs:  # (sinfo.empty())
                 success = False
                 break
             res.append(sinfo)
-            heads_old = list(self.v_heads)
             # without SWA every found cell is empty; with SWA a found cell may hold a masked token
-            if k == last and (self.swa_type == SwaType.NONE or
+            if k == last and (self.no_swa or
                               all(not (self.v_cells[st].pos_array[idx] >= 0).any()
                                   for st, idx in zip(sinfo.strm, sinfo.idxs))):
                 # the last ubatch lands on empty cells only: placing it and rolling it back changes no cell
-                states.append((sinfo, heads_old, None))
+                if not states:  # it is the only one (the decode step): nothing was placed, only heads to restore
+                    if sinfo.strm[0] != 0 or sinfo.strm[-1] != len(sinfo.strm) - 1:  # (streams 0, 1, ...: no-op)
+                        self._restore_heads(sinfo, list(self.v_heads))
+                    return res
+                states.append((sinfo, list(self.v_heads), None))
                 break
+            heads_old = list(self.v_heads)
             saved = [self.v_cells[st]._snapshot(idx) for st, idx in zip(sinfo.strm, sinfo.idxs)]
             states.append((sinfo, heads_old, saved))
             self.apply_ubatch(sinfo, ub)
         for sinfo, heads_old, saved in reversed(states):
-            for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
-                if saved is not None:
+            if saved is not None:
+                for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
                     self.v_cells[st]._restore(idx, *saved[s])
-                self.v_heads[st] = heads_old[s]
+            self._restore_heads(sinfo, heads_old)
         return res if success else []
+
+    def _restore_heads(self, sinfo: SlotInfo, heads_old: list[int]) -> None:
+        """prepare's roll-back of the heads, as the seed does it: each stream of the slot gets the saved head of the
+        same *index* in the slot (a no-op when the slot's streams are 0, 1, ...)."""
+        for s, st in enumerate(sinfo.strm):
+            self.v_heads[st] = heads_old[s]
 
     def find_slot(self, ubatch: UBatch, cont: bool = False) -> SlotInfo:
         """Cells for the ubatch's tokens, per stream, from each stream's head; empty SlotInfo when none."""
         if self.debug > 0:
             self._debug_dump(ubatch)
         n_tokens = ubatch.n_tokens
-        n_seqs = 1
-        if self.n_stream > 1:
-            if n_tokens % ubatch.n_seqs_unq:
+        if self.n_stream == 1:  # every sequence is in stream 0
+            idx = self._slot_in(0, n_tokens, cont)
+            return SlotInfo() if idx is None else SlotInfo(0, 0, [0], [idx])
+        if n_tokens % ubatch.n_seqs_unq:
                 raise RuntimeError(f"ubatch of {n_tokens} tokens is not split evenly over {ubatch.n_seqs_unq} "
                                    "sequences (use split_equal with a multi-stream cache)")
-            n_seqs = ubatch.n_seqs_unq
-            n_tokens //= n_seqs
-        res = SlotInfo()
-        for s in range(n_seqs):
-            seq_id = int(ubatch.seq_id_unq[s])
-            if self.n_stream > 1:
-                t = s * n_tokens
-                if ubatch.n_seq_id[t] != 1 or ubatch.seq_id[t, 0] != seq_id:
-                    raise RuntimeError(f"token {t} of the ubatch must belong to sequence {seq_id} alone")
+        n_tokens //= ubatch.n_seqs_unq
+        seqs = ubatch.seq_id_unq.tolist()
+        # the first token of each stream's run: its sequence ids must be exactly that stream's sequence
+        firsts, counts = ubatch.seq_id[::n_tokens, 0].tolist(), ubatch.n_seq_id[::n_tokens].tolist()
+        strms, idxs = [], []
+        for s, seq_id in enumerate(seqs):
+            if counts[s] != 1 or firsts[s] != seq_id:
+                raise RuntimeError(f"token {s * n_tokens} of the ubatch must belong to sequence {seq_id} alone")
             strm = self.stream_of[seq_id]
-            cells = self.v_cells[strm]
-            head_cur = self.v_heads[strm]
-            if head_cur > cells.get_used() + 2 * n_tokens:
-                head_cur = 0
-            if n_tokens > cells.size():
-                log.error("find_slot: n_tokens = %d > size = %d", n_tokens, cells.size())
-                return SlotInfo()
-            idx = (self._scan_cont if cont else self._scan)(cells, head_cur, n_tokens)
+            idx = self._slot_in(strm, n_tokens, cont)
             if idx is None:
                 return SlotInfo()
-            res.s0 = min(res.s0, strm)
-            res.s1 = max(res.s1, strm)
-            res.strm.append(strm)
-            res.idxs.append(idx)
-        return res
+            strms.append(strm)
+            idxs.append(idx)
+        return SlotInfo(min(strms), max(strms), strms, idxs)
+
+    def _slot_in(self, strm: int, n_tokens: int, cont: bool) -> np.ndarray | None:
+        """find_slot in one stream: ``n_tokens`` cells from its head (int64), or None when there is no room."""
+        cells = self.v_cells[strm]
+        head_cur = self.v_heads[strm]
+        if head_cur > cells.get_used() + 2 * n_tokens:
+            head_cur = 0
+        if n_tokens > self.kv_size:
+            log.error("find_slot: n_tokens = %d > size = %d", n_tokens, self.kv_size)
+            return None
+        if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_array.item(head_cur) < 0:
+            return np.array([head_cur], np.int64)  # the decode step: the head cell is free (empty is always usable)
+        return (self._scan_cont if cont else self._scan)(cells, head_cur, n_tokens)
 
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
         """Write the ubatch's positions and sequences into the slot's cells, then purge and move the heads."""
-        assert ubatch.n_tokens == sinfo.n_stream() * sinfo.size()
+        assert ubatch.n_tokens == len(sinfo.strm) * len(sinfo.idxs[0]), "the ubatch does not fill its slot"
+        is_2d = ubatch.is_pos_2d()
+        if self.fast and not is_2d and self._place_free(sinfo, ubatch):
+            return
         n = sinfo.size()
         seq_pos_max_rm: dict[int, int] = {}
-        is_2d = ubatch.is_pos_2d()
         nt = ubatch.n_tokens
         for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
             cells = self.v_cells[st]
@@ -338,6 +374,40 @@ class KVBookkeeping:
                 self.seq_rm(q, pmin, seq_pos_max_rm[q] + 1)
         for st, idx in zip(sinfo.strm, sinfo.idxs):
             self.v_heads[st] = int(idx[-1]) + 1
+
+    def _place_free(self, sinfo: SlotInfo, ubatch: UBatch) -> bool:
+        """apply_ubatch's fast path (no 2-D positions): when every cell of the slot is empty -- always without SWA
+        -- place the tokens (one cell per stream with scalar Python: the decode step) and move the heads, as the
+        general path would; False, with nothing done, when some cell is occupied (then the purge is needed)."""
+        v_cells = self.v_cells
+        if len(sinfo.strm) == 1 and len(sinfo.idxs[0]) == 1 and ubatch.seq_id.shape[1] == 1:  # one token
+            st, i = sinfo.strm[0], sinfo.idxs[0].item(0)
+            if v_cells[st].pos_array.item(i) >= 0:
+                return False
+            v_cells[st].place_one(i, ubatch.pos.item(0), ubatch.seq_id.item(0))
+            self.v_heads[st] = i + 1
+            return True
+        if len(sinfo.idxs[0]) != 1:
+            for st, idx in zip(sinfo.strm, sinfo.idxs):
+                if np.count_nonzero(v_cells[st].pos_array[idx] >= 0):
+                    return False
+            n = len(sinfo.idxs[0])
+            for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
+                v_cells[st].place(idx, ubatch.pos[s * n:(s + 1) * n], ubatch.seq_id[s * n:(s + 1) * n])
+                self.v_heads[st] = idx.item(-1) + 1
+            return True
+        cells = [idx.item(0) for idx in sinfo.idxs]
+        if any(v_cells[st].pos_array.item(i) >= 0 for st, i in zip(sinfo.strm, cells)):
+            return False
+        if ubatch.seq_id.shape[1] != 1:  # coupled sequences
+            for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
+                v_cells[st].place(idx, ubatch.pos[s:s + 1], ubatch.seq_id[s:s + 1])
+        else:
+            for st, i, p, q in zip(sinfo.strm, cells, ubatch.pos.tolist(), ubatch.seq_id.reshape(-1).tolist()):
+                v_cells[st].place_one(i, p, q)
+        for st, i in zip(sinfo.strm, cells):
+            self.v_heads[st] = i + 1
+        return True
 
     # ================================================================== restore (the state codec's placements)
 
@@ -418,9 +488,12 @@ class KVBookkeeping:
     def _lower_head(self, strm: int, emptied: np.ndarray) -> None:
         """If cells were freed below the head, start the next search at the first of them."""
         if emptied.size:
-            first = int(emptied[0])
-            if first < self.v_heads[strm]:
-                self.v_heads[strm] = first
+            self._lower_head_to(strm, int(emptied[0]))
+
+    def _lower_head_to(self, strm: int, first: int) -> None:
+        """Cells from ``first`` on were freed: start the next search there if it is below the head."""
+        if first < self.v_heads[strm]:
+            self.v_heads[strm] = first
 
     def _usable(self, cells: KVCells, lo: int, hi: int) -> np.ndarray:
         """bool [hi - lo]: cells that a new token may take -- empty, or one sequence's cell masked by the SWA."""
@@ -441,9 +514,7 @@ class KVBookkeeping:
 
     def _scan(self, cells: KVCells, head: int, n_tokens: int) -> np.ndarray | None:
         """First ``n_tokens`` usable cells in circular order from ``head`` (the seed's one-by-one search)."""
-        size = cells.size()
-        if n_tokens == 1 and head < size and cells.pos_array[head] < 0:
-            return np.array([head], np.int64)  # the decode step: the head cell is free (empty is always usable)
+        size = self.kv_size
         hi = min(size, head + n_tokens)
         if hi - head == n_tokens:
             u = self._usable(cells, head, hi)

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["KVCacheContext"]
 
+_NO_COPIES = StreamCopyInfo((), ())  # the stream copies of a batch or full context: none (shared, read-only)
+
 
 class KVCacheContext:
     """The ubatches of one batch and their slots (or an update's stream copies and K-shift) over a cache."""
@@ -36,7 +38,7 @@ class KVCacheContext:
         self.n_kv = 0                              # cells the current ubatch attends to (after apply())
         self.lctx: UpdateContext | None = None     # update: what the K-shift graph runs on
         self.do_shift = False                      # update: apply the pending K-shift
-        self.sc_info = StreamCopyInfo()            # update: stream copies to perform
+        self.sc_info = _NO_COPIES                  # update: stream copies to perform (update_ctx sets them)
 
     @classmethod
     def full(cls, kv: KVCache) -> KVCacheContext:
@@ -65,7 +67,7 @@ class KVCacheContext:
         return self.i_cur < len(self.ubatches)
 
     def apply(self) -> bool:
-        if self.status.is_fail():
+        if self.status is not MemoryStatus.SUCCESS and self.status.is_fail():
             raise RuntimeError(f"apply() on a failed memory context ({self.status.name})")
         kv = self.kv
         if not self.ubatches:

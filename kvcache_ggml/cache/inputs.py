@@ -6,6 +6,11 @@ relative position buckets.  Every ``set_input_*`` writes the data of a tensor in
 does, checking the tensor (type, shape for this ubatch, contiguity, host memory) before writing anything;
 :func:`host_array` makes those checks and returns the tensor's data as a numpy array.  Nothing loops in Python
 over tokens or cells: loops run over streams or over the distinct sequences of a ubatch.
+
+Fast paths (the same bytes): the numpy view of a tensor's data is kept for the next call on the same memory
+(``_host``: the runtime fills the same input tensors step after step), and a mask whose tokens need no window,
+ALiBi or 2-D test is copied from ready rows patched with the cells' changes (:mod:`.mask_rows`) instead of being
+built over all ``n_kv`` cells.
 """
 from __future__ import annotations
 
@@ -17,13 +22,16 @@ import numpy as np
 from .. import _ggml as G
 from ..batch import UBatch
 from ..hparams import HParams, SwaType, llama_relative_position_bucket_np
+from .._consts import LLAMA_MAX_SEQ
 from .bookkeeping import KVBookkeeping
+from .mask_rows import MaskRows
 from .masks import mask_decode_row, mask_group, token_groups
 from .types import SlotInfo
 
 __all__ = ["KVInputs", "host_array", "host_tensor"]
 
 _MASK_TYPES = (G.GGMLType.F32, G.GGMLType.F16)
+_I64 = (G.GGMLType.I64,)
 _NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i4", G.GGMLType.I64: "<i8"}
 _ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
 
@@ -45,14 +53,15 @@ def _buffer_desc(dst: Any) -> str:
     return f"buffer {raw.decode('utf-8', 'replace') if raw else '?'!r}"
 
 
-def host_array(dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int]) -> np.ndarray:
+def host_array(dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int],
+               header: tuple | None = None) -> np.ndarray:
     """The data of host tensor ``dst`` as a writable numpy array of shape ``reversed(ne)``.
 
     ValueError, naming the tensor and its buffer, unless ``dst`` has one of ``types``, exactly ``ne`` elements per
     dimension and a contiguous layout, and lives in host memory (a host buffer, or an allocating context).
-    Nothing is written.
+    Nothing is written.  ``header``: ``G.header(dst)`` when the caller has read it already.
     """
-    tt, have, nb, buf, ptr = G.header(dst)  # one struct read: this runs for every input of every step
+    tt, have, nb, buf, ptr = header or G.header(dst)  # one struct read: this runs for every input of every step
     if tt not in types:
         want = " or ".join(G.type_name(t) for t in types)
         raise ValueError(f"tensor {G.name(dst)!r} is {G.type_name(tt)}, expected {want}")
@@ -79,27 +88,70 @@ class KVInputs:
         self.kv_size = book.get_size()                # cells per stream
         # offset of element j of a transposed V row in its stream: the per-step v_idxs input adds it to each cell
         self._v_elem_offs = np.arange(hparams.n_embd_v_gqa_max(), dtype=np.int64) * self.kv_size
+        self.mask_rows = MaskRows(book)               # ready kq-mask rows, patched step to step
+        # per input tensor (by the id of its pointer object): a live view of its struct's leading words, their
+        # bytes when its header was read, the header, its checked data views (shape -> (types, ne, view)), and
+        # the pointer object itself (kept alive: its id stays its own)
+        self._tensors: dict[int, tuple[np.ndarray, bytes, tuple, dict, Any]] = {}
+        # the mask rows need no window, ALiBi (nor, per ubatch, 2-D positions): ready rows may serve them
+        self._plain = book.swa_type == SwaType.NONE and not hparams.use_alibi
+        self.fast = True  # fast paths on (the equivalence tests turn them off to compare with the full build)
+
+    def _entry(self, dst: Any) -> tuple[np.ndarray, bytes, tuple, dict, Any]:
+        """The cache entry of tensor ``dst``: its header (``G.header``) read again only when the words of its
+        struct changed since (a runtime fills the same input tensors step after step: one numpy call then)."""
+        ent = self._tensors.get(id(dst))  # (the entry keeps dst alive: its id stays its own)
+        if ent is not None and ent[4] is dst and ent[0].tobytes() == ent[1]:
+            return ent
+        words = G.header_words(dst)
+        if len(self._tensors) >= 64:
+            self._tensors.clear()
+        ent = self._tensors[id(dst)] = (words, words.tobytes(), G.header(dst), {}, dst)
+        return ent
+
+    def _host(self, dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int],
+              shape: tuple[int, ...], ent: tuple | None = None) -> np.ndarray:
+        """host_array(dst, types, ne) reshaped to ``shape``, the view kept while the tensor's header stays the same
+        (type, shape, strides, buffer and data pointer: everything host_array checks).  ``ent``: ``_entry(dst)``
+        when the caller has it."""
+        ent = ent or self._entry(dst)
+        hit = ent[3].get(shape)
+        if hit is not None and hit[0] is types and hit[1] == ne:
+            return hit[2]
+        view = host_array(dst, types, ne, ent[2]).reshape(shape)
+        ent[3][shape] = (types, ne, view)
+        return view
 
     # ------------------------------------------------------------------ index inputs
 
     def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
-        self._check_slot(ubatch, sinfo)
-        out = host_array(dst, (G.GGMLType.I64,), (ubatch.n_tokens, 1, 1, 1)).reshape(-1)
-        np.copyto(out, self._token_cells(sinfo))
+        n_tokens = ubatch.n_tokens
+        if n_tokens != (len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0):
+            self._slot_mismatch(ubatch, sinfo)
+        out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
+        if n_tokens == 1:  # the decode step of one sequence
+            out[0] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+        else:
+            np.copyto(out, self._token_cells(sinfo))
 
     def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens] (V rows), or with a transposed V one row per element:
         I64 [n_embd_v_gqa_max*n_tokens], element j of token i at ``strm*kv_size*n_embd + j*kv_size + idx``."""
-        self._check_slot(ubatch, sinfo)
         n_tokens = ubatch.n_tokens
+        if n_tokens != (len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0):
+            self._slot_mismatch(ubatch, sinfo)
         if not self.v_trans:
-            out = host_array(dst, (G.GGMLType.I64,), (n_tokens, 1, 1, 1)).reshape(-1)
+            out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
             np.copyto(out, self._token_cells(sinfo))
             return
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]
-        out = host_array(dst, (G.GGMLType.I64,), (n_tokens * n_embd, 1, 1, 1)).reshape(n_tokens, n_embd)
+        if n_tokens == 1:  # the decode step of one sequence
+            out = self._host(dst, _I64, (n_embd, 1, 1, 1), (n_embd,))
+            np.add(elem, sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd, out=out)
+            return
+        out = self._host(dst, _I64, (n_tokens * n_embd, 1, 1, 1), (n_tokens, n_embd))
         base = self._token_cells(sinfo, stream_stride=self.kv_size * n_embd)  # [n_tokens]
         np.add(base[:, None], elem, out=out)
 
@@ -123,20 +175,29 @@ class KVInputs:
         """F32 or F16 [n_kv, n_tps, 1, n_stream]: 0 (or the ALiBi bias -|p0 - p1|) where token i may attend
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
         n_tokens = ubatch.n_tokens
-        n_kv, _, _, ns = G.ne(dst)
+        ent = self._entry(dst)
+        n_kv, _, _, ns = ent[2][1]
         if ns < 1 or n_tokens % ns:
             raise ValueError(f"kq mask {G.name(dst)!r}: ne[3] = {ns} streams do not split the ubatch's "
                              f"{n_tokens} tokens evenly")
         if n_kv > self.kv_size:
             raise ValueError(f"kq mask {G.name(dst)!r}: n_kv = ne[0] = {n_kv} exceeds the cache size "
                              f"{self.kv_size}")
-        out = host_array(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns))
-        if out.size == 0:
+        # row i = token i (stream s, token ii of it: i = s*n_tps + ii)
+        rows = self._host(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns), (n_tokens, n_kv), ent)
+        if rows.size == 0:
             return
-        rows = out.reshape(n_tokens, n_kv)  # row i = token i (stream s, token ii of it: i = s*n_tps + ii)
+        plain = self._plain and not ubatch.is_pos_2d()  # no window, ALiBi or 2-D positions
+        if plain and self.fast:  # ready rows (the decode step), unless a token needs its positions tested
+            if n_tokens == 1:
+                if self.mask_rows.write_one(rows[0], ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
+                    return
+            elif n_tokens <= LLAMA_MAX_SEQ and self.mask_rows.write(
+                    rows, ubatch.seq_id[:, 0].tolist(), ubatch.pos[:n_tokens].tolist(), bool(causal_attn)):
+                return
         book, alibi = self.book, bool(self.hparams.use_alibi)
         stream_of = book.stream_of
-        if n_tokens == 1 and book.swa_type == SwaType.NONE and not alibi and not ubatch.is_pos_2d():
+        if n_tokens == 1 and plain:
             seq_id = int(ubatch.seq_id[0, 0])
             mask_decode_row(rows[0], book.v_cells[stream_of[seq_id]], seq_id, int(ubatch.pos[0]), bool(causal_attn))
             return
@@ -167,18 +228,23 @@ class KVInputs:
 
     # ------------------------------------------------------------------ helpers
 
-    def _check_slot(self, ubatch: UBatch, sinfo: SlotInfo) -> None:
-        n = sinfo.size() * sinfo.n_stream() if not sinfo.empty() else 0
-        if ubatch.n_tokens != n:
-            raise RuntimeError(f"ubatch of {ubatch.n_tokens} tokens does not match its slot of "
-                               f"{sinfo.n_stream()} streams x {sinfo.size() if n else 0} cells")
+    @staticmethod
+    def _slot_mismatch(ubatch: UBatch, sinfo: SlotInfo) -> None:
+        """RuntimeError: the ubatch's tokens are not its slot's cells (n_stream x size)."""
+        size = sinfo.size() if sinfo.idxs else 0
+        raise RuntimeError(f"ubatch of {ubatch.n_tokens} tokens does not match its slot of "
+                           f"{sinfo.n_stream()} streams x {size} cells")
 
     def _token_cells(self, sinfo: SlotInfo, stream_stride: int | None = None) -> np.ndarray:
         """int64 [n_tokens]: ``strm*stream_stride + cell`` of each token (stride kv_size by default)."""
         stride = self.kv_size if stream_stride is None else stream_stride
         if len(sinfo.idxs) == 1:
-            return sinfo.idxs[0] + sinfo.strm[0] * stride
-        return np.concatenate([idx + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)])
+            return sinfo.idxs[0] + sinfo.strm[0] * stride if sinfo.strm[0] else sinfo.idxs[0]
+        if len(sinfo.idxs[0]) == 1:  # one token per stream (the decode step): Python ints
+            return np.array([idx.item(0) + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)], np.int64)
+        cells = np.concatenate(sinfo.idxs)
+        cells += np.repeat(np.multiply(sinfo.strm, stride, dtype=np.int64), len(sinfo.idxs[0]))
+        return cells
 
 
 @contextlib.contextmanager

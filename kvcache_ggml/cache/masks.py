@@ -2,7 +2,9 @@
 
 Row ``i`` of the mask (``[n_kv, n_tps, 1, n_stream]``, rows in token order) is token ``i``; the
 token sees cell ``j`` of the stream of its first sequence when the cell holds that sequence and its position
-``p0`` passes the causal test and the sliding window.  Both tests bound ``p0`` to an interval per token,
+``p0`` passes the causal test and the sliding window.  (A cell holding the sequence at position -1 -- a token
+placed at -1, which llama.cpp accepts -- is empty to llama.cpp and hidden: the kernels add ``pos < 0`` to the
+test when the sequence's smallest position is negative.)  Both tests bound ``p0`` to an interval per token,
 ``lo <= p0 <= hi`` (causal: ``hi = p1``; STANDARD: ``lo = p1 - n_swa + 1``; CHUNKED: ``lo`` the start of the
 chunk of ``p1``; SYMMETRIC: ``|p1 - p0| <= n_swa / 2``), which is what ``is_masked_swa`` decides cell by cell.
 With M-RoPE a causal token also hides the cells of its own position that come after it in 2-D order.  Tokens
@@ -39,6 +41,8 @@ def mask_decode_row(row: np.ndarray, cells: KVCells, seq_id: int, p1: int, causa
     """The decode step's row [n_kv]: one token, no window, no ALiBi, no 2-D positions -- a few whole-row ops."""
     n_kv = row.shape[0]
     hidden = cells.seq_absent(seq_id, n_kv)              # [n_kv] bool; empty cells too
+    if cells.seq_pos_min(seq_id) < 0:                    # cells at position -1 are empty to llama.cpp
+        hidden |= cells.pos_array[:n_kv] < 0
     if causal:
         hidden |= cells.pos_array[:n_kv] > p1
     # -inf where hidden, +0.0 elsewhere: one integer multiply by the bit pattern of -inf
@@ -52,6 +56,8 @@ def mask_group(rows: np.ndarray, tok: slice | np.ndarray, cells: KVCells, seq_id
     n_tokens, n_kv = rows.shape
     pos = cells.pos_array[:n_kv]                                   # [n_kv]
     other = cells.seq_absent(seq_id, n_kv)                         # [n_kv] cell lacks the sequence (or empty)
+    if cells.seq_pos_min(seq_id) < 0:                              # cells at position -1 are empty to llama.cpp
+        other |= pos < 0
     p1 = ubatch.pos[:n_tokens][tok]                                # [T]
     lo, hi = window(p1, causal, n_swa, swa_type)
     xy1 = ext = None

@@ -1,0 +1,126 @@
+"""The decode step's fast path through :meth:`BatchAllocator.init`: a batch of n tokens of n distinct sequences, one
+sequence each (one token of one sequence: the common step).
+
+:func:`init_decode` checks and fills such a batch with scalar Python (a handful of numpy calls for n > 1) and
+commits exactly what the general sections would: the same arrays (the caller's where the general path keeps
+them), the same positions, statistics and output flags.  Two things differ, neither visible: the sequence groups
+that only split_equal and split_seq read are built on their first use (:meth:`BatchSplitter._ensure_groups`), and
+a batch that the general path would reject (or log, or warn about) is not handled here at all -- ``init_decode``
+returns False before changing anything and the general path runs, raising its own error.  The equivalence test
+(tests/test_decode_fast_path.py) runs both paths on the same random traces.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .._consts import INT32_MAX, LLAMA_MAX_SEQ
+from ._input import Batch
+from ._ubatch import _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0
+
+if TYPE_CHECKING:
+    from ._allocator import BatchAllocator, MemoryPositions
+
+
+def init_decode(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
+                output_all: bool) -> bool:
+    """Validate, fill and commit a decode batch (n tokens, n distinct sequences, one each); False when ``batch``
+    is not one, or would be rejected: the general path then decides."""
+    if batch.token is None or ba.n_pos_per_embd != 1 or not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
+        return False
+    try:
+        if batch.n_tokens == 1:
+            return _init_one(ba, batch, n_vocab, memory, n_seq_max, output_all)
+        return _init_many(ba, batch, n_vocab, memory, n_seq_max, output_all)
+    except BaseException:  # the memory raised: no batch, as after the general path's failure
+        ba._clear()
+        raise
+
+
+def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
+              output_all: bool) -> bool:
+    """init_decode of one token, with scalar Python."""
+    if not 0 <= batch.token.item(0) < n_vocab:
+        return False
+    seq2d = batch.seq_id
+    if seq2d is None:
+        seq2d, n_seq_id, s = _ONE_SEQ0, _ONE_N_SEQ_ID, 0
+    else:
+        if seq2d.shape[1] != 1:
+            return False
+        s, n_seq_id = seq2d.item(0), batch.n_seq_id
+        if not 0 <= s < n_seq_max:
+            return False
+    m = -1 if memory is None else int(memory.seq_pos_max(s))
+    pos_all = batch.pos
+    if pos_all is None:
+        p = m + 1
+        if p > INT32_MAX:
+            return False
+        pos_all = pos0 = np.array([p], np.int32)
+    else:
+        if pos_all.shape[0] != 1:
+            return False
+        pos0, p = pos_all[:1], pos_all.item(0)
+    if p < -1 or (m >= 0 and p != m + 1):  # (the general path's errors)
+        return False
+    output = batch.logits
+    if output is None:
+        output, n_outputs = _ONE_OUT, 1
+    else:
+        n_outputs = int(output.item(0) != 0)
+        if output_all and not n_outputs:
+            return False  # the general path warns and overrides
+    ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], n_seq_id, False, [s], None, {s: (p, p, 1)}, output,
+               n_outputs)
+    return True
+
+
+def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
+               output_all: bool) -> bool:
+    """init_decode of n > 1 tokens: Python lists of at most n_seq_max values, a few numpy calls."""
+    n, token, seq2d = batch.n_tokens, batch.token, batch.seq_id
+    if seq2d is None or seq2d.shape[1] != 1 or n > n_seq_max:
+        return False
+    ids = seq2d.reshape(n).tolist()
+    seqs = sorted(ids)
+    if seqs[0] < 0 or seqs[-1] >= n_seq_max or len(set(ids)) != n:
+        return False
+    if n_vocab <= 0 or np.count_nonzero(token.view(np.uint32) >= n_vocab):
+        return False
+    if memory is None:
+        mems = [-1] * n
+    else:
+        seq_pos_max = memory.seq_pos_max
+        mems = [int(seq_pos_max(s)) for s in ids]  # the memory's last position of each token's sequence
+    pos_all = batch.pos
+    if pos_all is None:
+        plist = [m + 1 for m in mems]
+        if max(plist) > INT32_MAX:
+            return False
+        pos_all = pos0 = np.array(plist, np.int32)
+    else:
+        if pos_all.shape[0] != n:
+            return False
+        pos0 = pos_all[:n]
+        plist = pos0.tolist()
+    # each sequence continues the memory, and no position is below -1 (else: the general path's errors)
+    for m, p in zip(mems, plist):
+        if p < -1 or (m >= 0 and p != m + 1):
+            return False
+    output = batch.logits
+    if output is None:
+        if output_all:
+            output, n_outputs = np.ones(n, np.int8), n
+        else:
+            output = np.zeros(n, np.int8)
+            output[-1] = 1
+            n_outputs = 1
+    else:
+        n_outputs = int(np.count_nonzero(output))
+        if output_all and n_outputs < n:
+            return False  # the general path warns and overrides
+    ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], batch.n_seq_id, False, seqs, None,
+               {s: (p, p, 1) for s, p in zip(ids, plist)}, output, n_outputs)
+    return True

@@ -1,0 +1,263 @@
+"""Ready kq-mask rows, patched from the cells' change log instead of rebuilt (beyond llama.cpp; no ggml).
+
+llama.cpp writes every mask row over all ``n_kv`` cells on every step.  Without a sliding window, ALiBi or 2-D
+positions, the row of a token of sequence ``s`` at position ``p1`` hides cell ``j`` unless the cell holds ``s``
+and (causal attention) ``pos[j] <= p1``.  When ``p1`` is at least ``s``'s largest position in the cells -- always so
+on a decode step, whose token was just placed at the sequence's next position -- the position test hides nothing
+the sequence test does not, and the row depends on the sequence bits alone: -inf where the cell lacks ``s``
+(empty cells included), +0.0 where it holds it.
+
+:class:`MaskRows` keeps such a row per (stream, sequence) -- in one block per stream and mask type, as the integer
+bit patterns of the mask's float type -- and brings it up to date from the stream's change log
+(:class:`~kvcache_ggml.cellindex.ChangeLog`, ``KVCells.change_log``): a cell that gained or lost one sequence is
+recomputed in that sequence's row only (scalar Python for the decode step's single cells), other changed cells in
+every row of the block at once, and cells beyond what the rows cover yet are computed when ``n_kv`` grows.  A dropped log (a reset, or more changes than patching
+pays for) empties the block; rows are then rebuilt as tokens need them.  Writing a token's row into the mask is one
+copy of ``n_kv`` values.  Memory is bounded (``budget`` bytes per block; the least recently used row gives way).
+
+:meth:`KVInputs.set_input_kq_mask` uses it when every token of the ubatch qualifies and builds the mask in full
+(:mod:`.masks`) otherwise, with the same bytes (tests/test_decode_fast_path.py compares both on random traces).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._consts import LLAMA_MAX_SEQ
+from ..cellindex import ChangeLog
+from ..cells import KVCells
+from .bookkeeping import KVBookkeeping
+from .masks import NEG_INF_BITS
+
+__all__ = ["MaskRows"]
+
+_BUDGET = 64 << 20       # bytes of ready rows per block (stream and mask type)
+_PATCH_MAX = 0.125       # patch at most this share of the covered cells; beyond, rebuild the rows that are needed
+_FEW = 16                # changes of at most this many cells are patched with scalar Python
+
+
+class _Block:
+    """The ready rows of one stream for one mask type: row r is the mask row of sequence ``seqs[r]`` over the
+    cells [0, n_valid), as of the first ``seen`` entries (of each kind) of the stream's change log in its epoch
+    ``epoch``."""
+
+    __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "frows", "seqs", "row_of", "row_map", "used",
+                 "n_valid", "epoch", "seen", "tick")
+
+    def __init__(self, cells: KVCells, ftype: np.dtype, budget: int) -> None:
+        self.cells = cells                                  # the stream's cells
+        self.log = cells.change_log                         # ... and their change log
+        self.itype, self.neg = NEG_INF_BITS[ftype]          # integer type with the mask's bit pattern, -inf in it
+        self.cap = max(1, budget // (cells.size() * ftype.itemsize))  # rows the budget allows
+        self.rows = np.empty((min(self.cap, 8), cells.size()), self.itype)  # [n_rows, size] bit patterns
+        self.frows = self.rows.view(ftype)                  # the same as the mask's floats (0 and -inf): copied out
+        self.seqs: list[int] = []                           # sequence of each row
+        self.row_of: dict[int, int] = {}                    # sequence -> its row
+        self.row_map = np.full(LLAMA_MAX_SEQ, -1, np.int32)  # the same as an array (-1: no row)
+        self.used: list[int] = []                           # tick of each row's last use (LRU)
+        self.n_valid = 0                                    # rows are exact over cells [0, n_valid)
+        self.epoch = -1                                     # the log's epoch the rows belong to (none yet)
+        self.seen = (0, 0, 0)                               # log entries the rows reflect, per kind
+        self.tick = 0                                       # writes so far (a row's last use is one of them)
+
+    def sync(self, n_kv: int) -> None:
+        """Bring every row up to date over cells [0, max(n_valid, n_kv)), for a new write."""
+        self.tick += 1
+        log = self.log
+        seen = self.seen
+        n_ones, n_seq, n_arrays = len(log.one_cells), len(log.seq_changes), len(log.arrays)
+        if log.epoch != self.epoch:
+            self.epoch = log.epoch
+            self.clear(n_kv)
+        elif n_seq == seen[1] and n_arrays == seen[2]:  # single cells only (the decode step), or nothing
+            if n_ones > seen[0] and self.seqs:
+                self._patch_ones(log.one_cells, log.one_seqs, seen[0], n_ones)
+        elif self.seqs and not self._patch(log):
+            self.clear(n_kv)
+        self.seen = (n_ones, n_seq, n_arrays)
+        if n_kv > self.n_valid:
+            if self.seqs:
+                self._fill(slice(self.n_valid, n_kv))
+            self.n_valid = n_kv
+
+    def _patch_ones(self, cells: list[int], seqs: list[int], a: int, b: int) -> None:
+        """Recompute entries [a, b) of the single-cell changes: each in its sequence's row only."""
+        bits, rows, neg, n, row_of = self.cells.seq_bits, self.rows, self.neg, self.n_valid, self.row_of
+        for k in range(a, b):
+            s = seqs[k]
+            r = row_of.get(s)
+            if r is not None:
+                i = cells[k]
+                if i < n:
+                    rows[r, i] = 0 if bits.item(s >> 6, i) >> (s & 63) & 1 else neg
+
+    def _patch(self, log: ChangeLog) -> bool:
+        """Recompute what the entries logged since ``seen`` changed: a single (cell, sequence) change touches that
+        sequence's row only (scalar Python: the decode step), cells of one changed sequence each its row, other
+        changes every row.  False when so many cells changed that rebuilding the rows pays."""
+        n_ones, n_seq, n_arrays = self.seen
+        n = self.n_valid
+        bits, rows, neg = self.cells.seq_bits, self.rows, self.neg
+        if len(log.arrays) > n_arrays:
+            arrays = log.arrays[n_arrays:]
+            ch = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            ch = ch[ch < n]
+            if ch.size > _PATCH_MAX * n:
+                return False
+            if ch.size:
+                self._fill(ch)
+        one_cells, one_seqs = log.one_cells[n_ones:], log.one_seqs[n_ones:]
+        for idxs, s in log.seq_changes[n_seq:]:
+            if idxs.size <= _FEW:  # a few cells: with the single ones below
+                one_cells += idxs.tolist()
+                one_seqs += [s] * idxs.size if type(s) is int else s.tolist()
+            elif type(s) is int:
+                r = self.row_of.get(s)
+                if r is not None:
+                    cols = idxs[idxs < n]
+                    rows[r, cols] = ((bits[s >> 6, cols] & np.uint64(1 << (s & 63))) == 0) * neg
+            else:  # one sequence per cell
+                r = self.row_map[s]
+                sel = (r >= 0) & (idxs < n)
+                cols, s = idxs[sel], s[sel]
+                rows[r[sel], cols] = (((bits[s >> 6, cols] >> (s & 63).astype(np.uint64)) & 1) == 0) * neg
+        row_of = self.row_of
+        pairs = zip(one_seqs, one_cells) if len(one_cells) < 4 else dict.fromkeys(zip(one_seqs, one_cells))
+        for s, i in pairs:  # (each (sequence, cell) once: an undone step's cells come back)
+            r = row_of.get(s)
+            if r is not None and i < n:
+                rows[r, i] = 0 if bits.item(s >> 6, i) >> (s & 63) & 1 else neg
+        return True
+
+    def clear(self, n_kv: int) -> None:
+        """Forget every row; rows added next cover [0, n_kv)."""
+        if self.seqs:
+            self.row_map[self.seqs] = -1
+        self.seqs, self.row_of, self.used = [], {}, []
+        self.n_valid = n_kv
+
+    def row(self, seq_id: int) -> int | None:
+        """The row of ``seq_id`` (after :meth:`sync`), built over [0, n_valid) if it has none; None when the
+        budget's rows all serve the current write (``tick``)."""
+        r = self.row_of.get(seq_id)
+        if r is None:
+            r = self._new_row(seq_id)
+            if r is None:
+                return None
+        self.used[r] = self.tick
+        return r
+
+    def _new_row(self, seq_id: int) -> int | None:
+        n_rows = len(self.seqs)
+        if n_rows < self.cap:
+            r = n_rows
+            if r == self.rows.shape[0]:  # grow the storage (doubling, up to the budget)
+                grown = np.empty((min(self.cap, 2 * r), self.rows.shape[1]), self.itype)
+                grown[:r] = self.rows
+                self.rows, self.frows = grown, grown.view(self.frows.dtype)
+            self.seqs.append(seq_id)
+            self.used.append(0)
+        else:  # the least recently used row gives way, unless it serves the current write too
+            r = self.used.index(min(self.used))
+            if self.used[r] == self.tick:
+                return None
+            del self.row_of[self.seqs[r]]
+            self.row_map[self.seqs[r]] = -1
+            self.seqs[r] = seq_id
+        self.row_of[seq_id] = r
+        self.row_map[seq_id] = r
+        n = self.n_valid
+        hidden = self.cells.seq_absent(seq_id, n)                      # [n_valid] bool
+        np.multiply(hidden, self.neg, out=self.rows[r, :n])
+        return r
+
+    def _fill(self, cols: np.ndarray | slice) -> None:
+        """Recompute the columns ``cols`` (cells) of every row from the sequence bits."""
+        bits = self.cells.seq_bits                                     # [SEQ_WORDS, size] uint64
+        n_rows = len(self.seqs)
+        seqs = np.array(self.seqs, np.int64)
+        words = seqs >> 6                                               # [n_rows]
+        bit = (np.uint64(1) << (seqs & 63).astype(np.uint64))[:, None]  # [n_rows, 1]
+        if isinstance(cols, slice):
+            hidden = (bits[words, cols] & bit) == 0                     # [n_rows, width]
+            np.multiply(hidden, self.neg, out=self.rows[:n_rows, cols])
+        else:
+            hidden = (bits[words[:, None], cols[None, :]] & bit) == 0   # [n_rows, n_cols]
+            self.rows[:n_rows, cols] = hidden * self.neg
+
+
+class MaskRows:
+    """The ready rows of every stream, per mask type; :meth:`write_one` and :meth:`write` fill a mask from them.
+
+    Both return False (the caller then builds the mask in full) when a causal token's position is below its
+    sequence's largest one (the row needs the position test), when a sequence holds a cell at position -1 (a token
+    placed there: the cell is empty to llama.cpp, and the position multisets may disagree with the bits) or no cell,
+    or when the tokens need more rows than the budget holds."""
+
+    def __init__(self, book: KVBookkeeping, budget: int = _BUDGET) -> None:
+        self.book = book                                  # the cells the rows are derived from
+        self.budget = budget                              # bytes per block
+        self._blocks: dict[tuple[int, np.dtype], _Block] = {}  # (stream, mask type) -> rows
+
+    def write_one(self, row: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
+        """Fill the mask row ``row`` [n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
+        strm = self.book.stream_of[seq_id]
+        lo, hi = self.book.v_cells[strm].seq_pos_bounds(seq_id)
+        if lo < 0 or (causal and hi > p1):  # (lo -1: no cell, or a cell at -1)
+            return False
+        n_kv = row.shape[0]
+        block = self._block(strm, row.dtype, n_kv)
+        r = block.row_of.get(seq_id)
+        if r is None:
+            r = block.row(seq_id)  # (never None: the least recently used row served an earlier write)
+        else:
+            block.used[r] = block.tick
+        np.copyto(row, block.frows[r, :n_kv])
+        return True
+
+    def write(self, rows: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
+        """Fill the mask rows ``rows`` [n_tokens, n_kv] (float32 or float16) of tokens of sequences ``seq_ids`` at
+        positions ``pos``."""
+        book = self.book
+        stream_of, v_cells = book.stream_of, book.v_cells
+        if book.n_stream == 1:
+            if not v_cells[0].seq_pos_within(seq_ids, pos if causal else None):
+                return False
+        elif not all(v_cells[stream_of[s]].seq_pos_within([s], [p] if causal else None)
+                     for s, p in zip(seq_ids, pos)):
+            return False
+        out = rows
+        n_kv = out.shape[1]
+        if book.n_stream == 1:
+            block = self._block(0, rows.dtype, n_kv)
+            rs = list(map(block.row_of.get, seq_ids))
+            if None in rs:  # some row has to be built
+                rs = [block.row(s) for s in seq_ids]
+                if None in rs:
+                    return False
+            else:
+                used, tick = block.used, block.tick
+                for r in rs:
+                    used[r] = tick
+            frows = block.frows
+            for i, r in enumerate(rs):  # (np.take would first copy every row of the strided [:, :n_kv] view)
+                np.copyto(out[i], frows[r, :n_kv])
+            return True
+        synced = {}
+        for i, s in enumerate(seq_ids):
+            st = stream_of[s]
+            block = synced.get(st)
+            if block is None:
+                block = synced[st] = self._block(st, rows.dtype, n_kv)
+            r = block.row(s)
+            if r is None:
+                return False
+            np.copyto(out[i], block.frows[r, :n_kv])
+        return True
+
+    def _block(self, strm: int, ftype: np.dtype, n_kv: int) -> _Block:
+        """The rows of stream ``strm`` for masks of ``ftype``, synced over at least [0, n_kv)."""
+        block = self._blocks.get((strm, ftype))
+        if block is None or block.cells is not self.book.v_cells[strm]:
+            block = self._blocks[(strm, ftype)] = _Block(self.book.v_cells[strm], ftype, self.budget)
+        block.sync(n_kv)
+        return block

@@ -1,0 +1,114 @@
+"""llama.cpp's one-cell methods of ``llama_kv_cells`` (no ggml), as a mixin of :class:`~kvcache_ggml.cells.KVCells`.
+
+Each method works on one cell ``i`` with the seed's name and preconditions (asserted), through the vectorised
+methods of :class:`~kvcache_ggml.cells.KVCells`, which keep the derived indices and the change log in sync.  The
+cache itself uses the vectorised methods; these serve tests, notebooks and code ported from llama.cpp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._consts import LLAMA_MAX_SEQ
+
+__all__ = ["CellExt", "OneCellAPI", "bitset_ids"]
+
+_BIT = [np.uint64(1 << b) for b in range(64)]
+
+
+@dataclass(slots=True, frozen=True)
+class CellExt:
+    """The 2-D position of an M-RoPE cell (llama.cpp's ``llama_kv_cell_ext``)."""
+
+    x: int = 0  # column of the token in the image
+    y: int = 0  # row of the token in the image
+
+    def is_2d_gt(self, ox: int, oy: int) -> bool:
+        """True when this cell comes after ``(ox, oy)`` in row-major order."""
+        return self.y > oy or (self.y == oy and self.x > ox)
+
+
+def bitset_ids(words: np.ndarray) -> list[int]:
+    """Ascending sequence ids of one cell's bitset (uint64 [SEQ_WORDS]: word w holds sequences 64w..64w+63)."""
+    out = []
+    for w, v in enumerate(int(x) for x in words.tolist()):
+        while v:
+            low = v & -v
+            out.append(w * 64 + low.bit_length() - 1)
+            v ^= low
+    return out
+
+
+class OneCellAPI:
+    """The seed's one-cell methods; the host class provides ``_pos``, ``_seq``, ``_ext``, ``_shift``, ``_used``
+    and the vectorised methods."""
+
+    __slots__ = ()
+
+    def is_empty(self, i: int) -> bool:
+        return bool(self._pos[i] == -1)
+
+    def rm(self, i: int) -> None:
+        assert self._pos[i] != -1, f"rm() of empty cell {i}"
+        self.rm_many(np.array([i], np.int64))
+
+    def seq_rm(self, i: int, seq_id: int) -> bool:
+        """Remove ``seq_id`` from cell ``i``; True when the cell became empty."""
+        assert self.seq_has(i, seq_id) and self._pos[i] != -1
+        return bool(self.seq_rm_many(np.array([i], np.int64), seq_id).size)
+
+    def seq_keep(self, i: int, seq_id: int) -> bool:
+        """Keep only ``seq_id`` in cell ``i``; True when the cell became empty."""
+        if self._pos[i] == -1:
+            return False
+        return bool(self.seq_keep_many(np.array([i], np.int64), seq_id).size)
+
+    def seq_count(self, i: int) -> int:
+        assert self._pos[i] != -1, f"seq_count() of empty cell {i}"
+        return int(np.bitwise_count(self._seq[:, i]).sum())
+
+    def seq_has(self, i: int, seq_id: int) -> bool:
+        assert 0 <= seq_id < LLAMA_MAX_SEQ, f"seq_id {seq_id} out of [0, {LLAMA_MAX_SEQ})"
+        return bool(self._seq[seq_id >> 6, i] & _BIT[seq_id & 63])
+
+    def seq_add(self, i: int, seq_id: int) -> None:
+        assert self._pos[i] != -1 and not self.seq_has(i, seq_id)
+        self.seq_add_many(np.array([i], np.int64), seq_id)
+
+    def seq_get(self, i: int) -> int:
+        """The only sequence of cell ``i`` (the cell must hold exactly one)."""
+        assert self.seq_count(i) == 1, f"seq_get() of cell {i} with {self.seq_count(i)} sequences"
+        return int(self.seq_get_many(np.array([i], np.int64))[0])
+
+    def pos_get(self, i: int) -> int:
+        assert self._pos[i] != -1, f"pos_get() of empty cell {i}"
+        return int(self._pos[i])
+
+    def ext_get(self, i: int) -> CellExt:
+        assert self._pos[i] != -1, f"ext_get() of empty cell {i}"
+        return CellExt(int(self._ext[i, 0]), int(self._ext[i, 1]))
+
+    def get_shift(self, i: int) -> int:
+        assert self._pos[i] != -1, f"get_shift() of empty cell {i}"
+        return int(self._shift[i])
+
+    def pos_in(self, i: int, p0: int, p1: int) -> bool:
+        return bool(p0 <= self._pos[i] < p1)
+
+    def pos_set(self, i: int, p: int) -> None:
+        assert self._pos[i] == -1 and not self._seq[:, i].any(), f"pos_set() of occupied cell {i}"
+        self._pos[i] = p
+        self._used.insert(np.array([i], np.int64))
+
+    def ext_set(self, i: int, ext: CellExt | tuple[int, int]) -> None:
+        self._ext[i] = (ext.x, ext.y) if isinstance(ext, CellExt) else ext
+
+    def pos_add(self, i: int, d: int) -> bool:
+        """Shift the position of cell ``i`` by ``d``; True when it went negative and the cell was emptied."""
+        assert self._pos[i] != -1, f"pos_add() of empty cell {i}"
+        return bool(self.pos_add_many(np.array([i], np.int64), d).size)
+
+    def pos_div(self, i: int, d: int) -> None:
+        assert self._pos[i] != -1, f"pos_div() of empty cell {i}"
+        self.pos_div_many(np.array([i], np.int64), d)

@@ -1,0 +1,385 @@
+"""The decode fast paths against the general paths, on the same random traces.
+
+Two caches (and two allocators) receive the same operations: one as built (fast paths on), one with every fast
+path turned off (``BatchAllocator.fast``, ``KVBookkeeping.fast``, ``KVInputs.fast``: the general code that the
+golden traces check against llama.cpp).  After every operation both must agree on everything observable: the
+outcome (or the error and its message), the allocator's filled-in batch, every ubatch field, every slot, n_kv,
+the K/V index inputs and the kq mask bytes (F32 and F16, causal and not, right after each apply and again later
+after other operations), every cell, head and sequence range, and the state blobs.  The traces favour the decode
+step (one token of each of several sequences, the undo of a step) and mix in what disturbs the fast paths: longer
+batches, coupled sequences, errors, seq_cp/seq_keep/seq_add/seq_div, clear, state restore, stream copies, a
+sliding window, n_kv growth past 256 cells, and a ready-row budget of two rows (eviction).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvcache_ggml.batch import Batch, BatchAllocator
+from kvcache_ggml.cache import MemoryStatus
+from kvcache_ggml.hparams import SwaType
+from kvcache_ggml.inspect import check_invariants
+
+from helpers import N_VOCAB, make_cache, snapshot
+
+UB_FIELDS = ("n_tokens", "n_seq_tokens", "n_seqs", "n_seqs_unq", "n_pos", "b_equal_seqs", "token", "embd", "pos",
+             "n_seq_id", "seq_id", "seq_id_unq", "seq_idx", "output")
+
+
+def general(kv, ba=None):
+    """Turn every fast path of ``kv`` (and of the allocator ``ba``) off."""
+    kv.book.fast = False
+    kv.inputs.fast = False
+    if ba is not None:
+        ba.fast = False
+
+
+def same_value(a, b, what):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), what
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{what}: {a} vs {b}"
+    else:
+        assert a == b, f"{what}: {a!r} vs {b!r}"
+
+
+def same_ubatch(a, b):
+    for f in UB_FIELDS:
+        same_value(getattr(a, f), getattr(b, f), f"ubatch.{f}")
+
+
+def same_allocator(a: BatchAllocator, b: BatchAllocator):
+    ga, gb = a.get_batch(), b.get_batch()
+    for f in ("token", "embd", "pos", "n_seq_id", "seq_id", "logits", "n_tokens"):
+        same_value(getattr(ga, f), getattr(gb, f), f"batch.{f}")
+    assert a.get_n_outputs() == b.get_n_outputs() and a.get_n_tokens() == b.get_n_tokens()
+    for s in range(8):
+        assert (a.seq_pos_min(s), a.seq_pos_max(s)) == (b.seq_pos_min(s), b.seq_pos_max(s))
+
+
+def same_cache(a, b):
+    sa, sb = snapshot(a), snapshot(b)
+    for k, (x, y) in enumerate(zip(sa, sb, strict=True)):
+        if isinstance(x, list) and x and isinstance(x[0], np.ndarray):
+            for u, v in zip(x, y, strict=True):
+                np.testing.assert_array_equal(u, v, err_msg=f"snapshot part {k}")
+        else:
+            assert x == y, f"snapshot part {k}: {x} vs {y}"
+    for ca, cb in zip(a.v_cells, b.v_cells, strict=True):
+        np.testing.assert_array_equal(ca.ext_array, cb.ext_array)
+        assert ca.seq_ids() == cb.seq_ids()
+        for s in ca.seq_ids():
+            assert (ca.seq_pos_min(s), ca.seq_pos_max(s)) == (cb.seq_pos_min(s), cb.seq_pos_max(s))
+    assert check_invariants(a) == [] and check_invariants(b) == []
+
+
+def same_inputs(ca, cb, type_):
+    """The current ubatch's index inputs and kq masks of two applied contexts, bit for bit."""
+    same_value(ca.k_idxs(), cb.k_idxs(), "k_idxs")
+    same_value(ca.v_idxs(), cb.v_idxs(), "v_idxs")
+    for causal in (True, False):
+        ma, mb = ca.kq_mask(causal, type_), cb.kq_mask(causal, type_)
+        same_value(ma.view(np.uint8), mb.view(np.uint8), f"kq_mask causal={causal} {type_}")
+
+
+class FastGeneralMachine(RuleBasedStateMachine):
+    """The same trace on a cache with its fast paths and on one without."""
+
+    CFG = dict(kv_size=24, n_seq_max=3, unified=True)
+
+    @initialize(type_=st.sampled_from(["f32", "f16"]))
+    def setup(self, type_):
+        c = self.CFG
+        kw = dict(n_swa=c.get("n_swa", 0), swa_type=c.get("swa_type", SwaType.NONE), v_trans=c.get("v_trans", True))
+        self.fast = make_cache(c["kv_size"], c["n_seq_max"], c["unified"], **kw)
+        self.slow = make_cache(c["kv_size"], c["n_seq_max"], c["unified"], **kw)
+        general(self.slow)
+        if "rows_budget" in c:
+            self.fast.inputs.mask_rows.budget = c["rows_budget"]
+        self.n_seq = c["n_seq_max"]
+        self.type_ = type_
+        self.ctxs = None  # the last decode's contexts (fast, general), kept for later masks
+
+    def teardown(self):
+        for kv in (getattr(self, "fast", None), getattr(self, "slow", None)):
+            if kv is not None:
+                kv.close()
+
+    # ------------------------------------------------------------------ batches
+
+    def _batch(self, data, decode_shaped):
+        """Tokens, positions (or None), sequence rows, output flags (or None) of a random batch."""
+        seqs = data.draw(st.lists(st.integers(0, self.n_seq - 1), min_size=1, max_size=self.n_seq, unique=True))
+        rows, pos = [], []
+        for s in seqs:
+            k = 1 if decode_shaped else data.draw(st.integers(1, 3))
+            # now and then a position that breaks the sequence (an error on both paths); never -1, which llama.cpp
+            # accepts but which leaves a cell that holds a sequence at an empty cell's position (both the seed's and
+            # our position multisets then disagree with the cells: see the test at the end)
+            p0 = max(0, self.fast.seq_pos_max(s) + 1 + (data.draw(st.integers(-1, 1)) if not data.draw(
+                st.integers(0, 7)) else 0))
+            for j in range(k):
+                row = [s]
+                if not decode_shaped and self.CFG["unified"] and data.draw(st.integers(0, 4)) == 0:
+                    other = data.draw(st.integers(0, self.n_seq - 1))
+                    if other != s:
+                        row.append(other)
+                rows.append(row)
+                pos.append(p0 + j)
+        order = data.draw(st.permutations(range(len(rows))))
+        rows, pos = [rows[i] for i in order], [pos[i] for i in order]
+        n = len(rows)
+        logits = data.draw(st.sampled_from([None, "ones", "last", "random"]))
+        out = (None if logits is None else np.ones(n, np.int8) if logits == "ones" else
+               (np.arange(n) == n - 1).astype(np.int8) if logits == "last" else
+               np.array(data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), np.int8))
+        return rows, (None if data.draw(st.booleans()) else pos), out
+
+    def _init(self, kv, rows, pos, out, token_dtype, seq_as_array, output_all, fast):
+        ba = BatchAllocator(1)
+        if not fast:
+            ba.fast = False
+        seq = (np.array([r[0] for r in rows], np.int32).reshape(-1, 1) if seq_as_array else rows)
+        batch = Batch(token=np.full(len(rows), 3, token_dtype), pos=None if pos is None else np.array(pos, np.int32),
+                      seq_id=seq, logits=out)
+        try:
+            ba.init(batch, N_VOCAB, kv, 16, self.n_seq, output_all)
+        except ValueError as e:
+            return None, str(e)
+        return ba, None
+
+    @rule(data=st.data(), decode_shaped=st.sampled_from([True, True, True, False]),
+          n_ubatch=st.sampled_from([1, 2, 3, 512]), output_all=st.sampled_from([False, False, True]))
+    def decode(self, data, decode_shaped, n_ubatch, output_all):
+        rows, pos, out = self._batch(data, decode_shaped)
+        token_dtype = data.draw(st.sampled_from([np.int32, np.int64]))
+        seq_as_array = all(len(r) == 1 for r in rows) and data.draw(st.booleans())
+        fa, ea = self._init(self.fast, rows, pos, out, token_dtype, seq_as_array, output_all, True)
+        ga, eb = self._init(self.slow, rows, pos, out, token_dtype, seq_as_array, output_all, False)
+        assert ea == eb
+        if ea is not None:
+            return
+        same_allocator(fa, ga)
+        results = []
+        for kv, ba in ((self.fast, fa), (self.slow, ga)):
+            try:
+                results.append(kv.init_batch(ba, n_ubatch))
+            except ValueError as e:
+                results.append(str(e))
+        ca, cb = results
+        assert type(ca) is type(cb) and (not isinstance(ca, str) or ca == cb)
+        if isinstance(ca, str):
+            return
+        assert ca.get_status() == cb.get_status()
+        same_cache(self.fast, self.slow)
+        if ca.get_status() != MemoryStatus.SUCCESS:
+            return
+        assert len(ca.ubatches) == len(cb.ubatches)
+        while True:
+            ca.apply()
+            cb.apply()
+            same_ubatch(ca.get_ubatch(), cb.get_ubatch())
+            sa, sb = ca.get_sinfo(), cb.get_sinfo()
+            assert sa.strm == sb.strm and [i.tolist() for i in sa.idxs] == [i.tolist() for i in sb.idxs]
+            assert (sa.s0, sa.s1) == (sb.s0, sb.s1) and ca.get_n_kv() == cb.get_n_kv()
+            same_cache(self.fast, self.slow)
+            same_inputs(ca, cb, self.type_)
+            na, nb = ca.next(), cb.next()
+            assert na == nb
+            if not na:
+                break
+        self.ctxs = (ca, cb)
+        same_value(fa.get_out_ids(), ga.get_out_ids(), "out_ids")
+
+    @precondition(lambda self: self.ctxs is not None)
+    @rule()
+    def mask_again(self):
+        """The last decode's last ubatch's inputs, after whatever happened since (n_kv stays the context's)."""
+        ca, cb = self.ctxs
+        ca.i_cur, cb.i_cur = len(ca.ubatches) - 1, len(cb.ubatches) - 1
+        same_inputs(ca, cb, self.type_)
+
+    # ------------------------------------------------------------------ memory operations
+
+    def _both(self, name, *args):
+        ra = rb = None
+        try:
+            ra = getattr(self.fast, name)(*args)
+        except ValueError as e:
+            ra = ("error", str(e))
+        try:
+            rb = getattr(self.slow, name)(*args)
+        except ValueError as e:
+            rb = ("error", str(e))
+        assert ra == rb, f"{name}{args}: {ra} vs {rb}"
+
+    @rule(data=st.data())
+    def undo_newest(self, data):
+        """seq_rm of a sequence's newest position: the undo of a decode step."""
+        s = data.draw(st.integers(0, self.n_seq - 1))
+        self._both("seq_rm", s, self.fast.seq_pos_max(s), -1)
+
+    @rule(data=st.data(), p0=st.integers(-1, 12), n=st.integers(-1, 6))
+    def seq_rm(self, data, p0, n):
+        s = data.draw(st.integers(-1, self.n_seq - 1))
+        self._both("seq_rm", s, p0, -1 if n < 0 else p0 + n)
+
+    @rule(data=st.data(), p0=st.integers(-1, 12), n=st.integers(-1, 6))
+    def seq_cp(self, data, p0, n):
+        a, b = data.draw(st.integers(0, self.n_seq - 1)), data.draw(st.integers(0, self.n_seq - 1))
+        if not self.CFG["unified"]:
+            p0, n = -1, -1
+        if self.CFG["unified"] and a != b:
+            self._both("seq_rm", b, -1, -1)  # a copy onto cells holding the destination is a known deviation
+        self._both("seq_cp", a, b, p0, -1 if n < 0 else p0 + n)
+
+    @rule(data=st.data())
+    def seq_keep(self, data):
+        self._both("seq_keep", data.draw(st.integers(0, self.n_seq - 1)))
+
+    @rule(data=st.data(), p0=st.integers(-1, 12), n=st.integers(-1, 6), d=st.integers(-4, 4))
+    def seq_add(self, data, p0, n, d):
+        self._both("seq_add", data.draw(st.integers(0, self.n_seq - 1)), p0, -1 if n < 0 else p0 + n, d)
+
+    @rule(data=st.data(), d=st.integers(1, 3))
+    def seq_div(self, data, d):
+        self._both("seq_div", data.draw(st.integers(0, self.n_seq - 1)), -1, -1, d)
+
+    @rule()
+    def update(self):
+        self.fast.init_update().apply()
+        self.slow.init_update().apply()
+
+    @rule()
+    def clear(self):
+        self.fast.clear()
+        self.slow.clear()
+
+    @rule(data=st.data())
+    def state_restore(self, data):
+        """Save a sequence (or everything) and load it back, as a host cache would."""
+        s = data.draw(st.integers(-1, self.n_seq - 1))
+        blob = self.fast.state_save(s)
+        assert blob == self.slow.state_save(s)
+        if s >= 0:
+            self._both("seq_rm", s, -1, -1)
+        self.fast.state_load(blob, s)
+        self.slow.state_load(blob, s)
+
+    @precondition(lambda self: self.CFG["kv_size"] > 256)
+    @rule(data=st.data())
+    def prefill(self, data):
+        """A long prompt, so that n_kv grows past 256 cells."""
+        s = data.draw(st.integers(0, self.n_seq - 1))
+        n = data.draw(st.integers(100, 200))
+        for kv, fast in ((self.fast, True), (self.slow, False)):
+            ba = BatchAllocator(1)
+            ba.fast = fast
+            ba.init(Batch(token=np.full(n, 3, np.int32), seq_id=np.full(n, s, np.int32)), N_VOCAB, kv, 16,
+                    self.n_seq, False)
+            ctx = kv.init_batch(ba, 512)
+            while ctx.get_status() == MemoryStatus.SUCCESS:
+                ctx.apply()
+                if not ctx.next():
+                    break
+
+    @invariant()
+    def same(self):
+        if hasattr(self, "fast"):
+            same_cache(self.fast, self.slow)
+
+
+_SM = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def _machine(name, **cfg):
+    case = type(name, (FastGeneralMachine,), dict(CFG=cfg)).TestCase
+    case.settings = _SM
+    return case
+
+
+TestUnifiedOne = _machine("UnifiedOne", kv_size=16, n_seq_max=1, unified=True)
+TestUnifiedFour = _machine("UnifiedFour", kv_size=24, n_seq_max=4, unified=True)
+TestUnifiedEvict = _machine("UnifiedEvict", kv_size=24, n_seq_max=4, unified=True, rows_budget=24 * 4 * 2)
+TestStreams = _machine("Streams", kv_size=12, n_seq_max=3, unified=False)
+TestStreamsNoVTrans = _machine("StreamsNoVTrans", kv_size=12, n_seq_max=3, unified=False, v_trans=False)
+TestSwa = _machine("Swa", kv_size=12, n_seq_max=2, unified=True, n_swa=4, swa_type=SwaType.STANDARD)
+TestLarge = _machine("Large", kv_size=768, n_seq_max=3, unified=True)
+
+
+# ---------------------------------------------------------------------------------------------- hand-made cases
+
+def test_mask_rows_patch_and_rebuild_match_the_full_build():
+    """Eight sequences decoding in one stream, undone and redone, with the log dropped in between: the ready rows
+    give the bytes of the full build every step."""
+    fast, slow = make_cache(512, 8), make_cache(512, 8)
+    general(slow)
+    for kv in (fast, slow):
+        for s in range(8):
+            ba = BatchAllocator(1)
+            ba.init(Batch(token=np.full(40, 3, np.int32), seq_id=np.full(40, s, np.int32)), N_VOCAB, kv, 16, 8,
+                    False)
+            ctx = kv.init_batch(ba, 512)
+            ctx.apply()
+    for step in range(12):
+        ctxs = []
+        for kv in (fast, slow):
+            ba = BatchAllocator(1)
+            ba.init(Batch(token=np.full(8, 3, np.int32), seq_id=np.arange(8, dtype=np.int32)), N_VOCAB, kv, 16, 8,
+                    False)
+            ctx = kv.init_batch(ba, 512)
+            ctx.apply()
+            ctxs.append(ctx)
+        same_inputs(*ctxs, "f32")
+        for kv in (fast, slow):
+            if step % 3 == 0:
+                kv.seq_rm(step % 8, kv.seq_pos_max(step % 8), -1)
+            if step == 7:
+                kv.seq_keep(2)  # many cells at once: the change log is dropped, the rows rebuilt
+    assert fast.inputs.mask_rows._blocks, "the ready rows were never used"
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_decode_step_takes_the_fast_paths(unified):
+    """The decode step's work goes through the fast paths (a guard against a condition that silently never holds):
+    no general split groups, the newest-cell undo, the ready mask rows."""
+    kv = make_cache(64, 4, unified)
+    for s in range(4):
+        ba = BatchAllocator(1)
+        ba.init(Batch(token=np.full(5, 3, np.int32), seq_id=np.full(5, s, np.int32)), N_VOCAB, kv, 16, 4, False)
+        kv.init_batch(ba, 512).apply()
+    ba = BatchAllocator(1)
+    ba.init(Batch(token=np.full(4, 3, np.int32), seq_id=np.arange(4, dtype=np.int32)), N_VOCAB, kv, 16, 4, False)
+    ctx = kv.init_batch(ba, 512)
+    assert ba._grp is None and ba._gorder is None  # committed by init_decode, split without groups
+    ctx.apply()
+    ub = ctx.get_ubatch()
+    assert not ub.seq_id.flags.writeable and not ub.seq_idx.flags.writeable  # the shared per-set arrays
+    ctx.kq_mask()
+    assert kv.inputs.mask_rows._blocks
+    for s in range(4):
+        cells = kv.v_cells[kv.book.stream_of[s]]
+        assert cells.seq_rm_last(s, 5, 2**31 - 1) is not None
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_cell_at_position_minus_one_is_empty_to_the_mask(fast):
+    """llama.cpp accepts a token at position -1 (its sequence empty) and the cell then counts as empty in the
+    mask (``is_empty``: position -1), though it holds the sequence: -inf for every token (checked on the oracle:
+    a token at -1, then one of another sequence at 0 -> rows [-inf, -inf, ...] and [-inf, 0, -inf, ...])."""
+    kv = make_cache(16, 2)
+    if not fast:
+        general(kv)
+    rows = []
+    for pos, seq in ((-1, 0), (0, 1), (0, 0)):
+        ba = BatchAllocator(1)
+        ba.init(Batch(token=np.array([3], np.int32), pos=np.array([pos], np.int32), seq_id=np.array([seq], np.int32)),
+                N_VOCAB, kv, 16, 2, False)
+        ctx = kv.init_batch(ba, 512)
+        ctx.apply()
+        rows.append(ctx.kq_mask()[0, 0, :4].tolist())
+    inf = -np.inf
+    assert rows[:2] == [[inf, inf, inf, inf], [inf, 0.0, inf, inf]]
+    assert kv.v_cells[0].pos_array[:3].tolist() == [-1, 0, 0] and rows[2] == [inf, inf, 0.0, inf]
