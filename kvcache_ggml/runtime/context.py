@@ -280,7 +280,8 @@ class Context:
         out_ids = self.balloc.get_out_ids()                  # batch index of each row, in split order
         n = len(out_ids)
         iota = self._iota[:n]
-        if n == n_tokens_all and np.array_equal(out_ids, iota):  # every token an output, rows in batch order
+        # every token an output, rows in batch order (bytes compared: a few times cheaper than array_equal)
+        if n == n_tokens_all and out_ids.tobytes() == iota.tobytes():
             self.logits, self.output_ids = logits, iota
             return
         order = np.argsort(out_ids, kind="stable")

@@ -145,8 +145,9 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
     v_idxs = mctx.build_input_v_idxs(ctx, ubatch)                              # I64 [n_tokens(*n_embd_v_gqa)]
     G.set_name(k_idxs, "inp_k_idxs")
     G.set_name(v_idxs, "inp_v_idxs")
-    kq_mask = _new_input(c, _F32, (key.n_kv, n_tokens // key.n_stream, 1, key.n_stream), "inp_kq_mask")
+    kq_mask = _new_input(c, _F32, (key.n_kv, n_tokens // key.n_stream, 1, key.n_stream), "")
     mask = G.ggml_cast(c, kq_mask, _F16) if flash_attn else kq_mask          # flash attention takes an F16 mask
+    G.set_name(kq_mask, "inp_kq_mask")  # after the cast, as llama.cpp names it: the cast node is " (copy)"
 
     graph = G.Graph(ctx, graph_capacity(hp.n_layer))
     for il in range(hp.n_layer):
