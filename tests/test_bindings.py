@@ -479,6 +479,22 @@ def test_native_call_counter_counts_and_restores():
     assert G.FUNCTIONS == before and all(getattr(G, k) is v for k, v in before.items())
 
 
+def test_advise_huge_pages_keeps_the_data_and_covers_the_aligned_interior():
+    huge = 2 << 20
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    thp_on = sys.platform.startswith("linux") and thp.exists() and "[never]" not in thp.read_text()
+    with G.Context.for_tensors(1) as ctx:
+        t = ctx.new_tensor("f32", (3 * huge // 4 + 1000,))
+        with G.BackendBuffer.for_context(ctx, G.cpu_buffer_type()) as buf:
+            data = np.random.default_rng(4).standard_normal(G.ne(t)[0]).astype(np.float32)
+            G.set_tensor(t, data)
+            got = buf.advise_huge_pages()
+            interior = (buf.base + buf.size) // huge * huge - -(-buf.base // huge) * huge
+            assert got == (interior if thp_on else 0)
+            assert buf.in_cpu_memory and interior >= huge
+            np.testing.assert_array_equal(G.to_numpy(t, copy=True), data)
+
+
 def test_set_tensor_through_a_backend_buffer():
     with G.Context.for_tensors(2) as ctx:
         t = ctx.new_tensor("i32", (4, 2))

@@ -197,7 +197,8 @@ class Context:
             raise
         self.balloc = BatchAllocator(hp.n_pos_per_embd())
         self.logits = np.zeros((0, self.n_vocab), np.float32)   # [n_outputs, n_vocab] of the last decode
-        self.output_ids = np.zeros(0, np.int32)                  # batch index -> logits row (-1: no output)
+        self.output_ids = np.zeros(0, np.int32)                  # batch index -> logits row (-1: no output);
+        #                                                          read-only when every token is an output
         # what decode() reads every step, resolved once
         self._splits = _TimedSplits(self.balloc)                 # the allocator, its splits timed
         self._n_embd = int(hp.n_embd)
