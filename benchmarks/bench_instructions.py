@@ -72,8 +72,9 @@ def by_library(out: Path) -> collections.Counter:
 def callgrind(cmd: list[str], tmp: Path, tag: str, stdin: str | None = None) -> collections.Counter:
     out = tmp / f"{tag}.callgrind"
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(ROOT))  # no BLAS threads spinning at import
+    # cwd=ROOT: ``python -c`` puts the current folder first on sys.path
     p = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *cmd], input=stdin,
-                       capture_output=True, text=True, env=env)
+                       capture_output=True, text=True, env=env, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} under callgrind failed: {p.stderr[-2000:]}")
     return by_library(out)
