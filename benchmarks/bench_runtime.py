@@ -1,130 +1,237 @@
-"""Prompt and decode throughput of the runtime next to llama.cpp's (llama-cpp-python 0.3.17), side by side.
+"""Decode (and prompt) throughput of the runtime next to llama.cpp's (llama-cpp-python 0.3.17), side by side.
 
-The same tiny random llama GGUF, the same threads, context size, cache types and batches on both sides:
+Two models, made by the model maker on each run (or passed with ``--tiny`` / ``--real``):
 
-* prompt: one ``--prompt``-token batch in sequence 0 (last token output), best of ``--reps``;
-* decode: the prompt copied into ``--n-par`` sequences with seq_cp, then ``--n-gen`` steps of one token per
-  sequence (every token an output), best of ``--reps``.
+* ``tiny``: negligible compute (2 layers, n_embd 64, 8/4 heads, ff 128, vocabulary 256, F32) -- the host's cost of
+  a step decides;
+* ``real``: a llama of about 110M parameters (12 layers, n_embd 768, 12/4 heads, ff 2048, Q4_0, tied embeddings,
+  the GPT-2 vocabulary of tests/data/vocab) -- a real model's step.
 
-Prints tokens/s for both and the ratio (ours / llama.cpp; 1.0 = as fast), then our host time per decode step split
-into batch splitting, cache bookkeeping, memory updates, input setting, graph build and compute.  llama.cpp runs
-in the oracle's interpreter (``/tmp/kvoracle/venv``, see tests/README.md); without it only our figures print.
+Each configuration (sequences x unified / per-sequence streams x flash attention on / off) runs on both sides with
+the same file, threads, context, cache types and batches: one ``--prompt``-token batch in sequence 0 (last token
+output), seq_cp to the other sequences, then ``--n-gen`` steps of one token per sequence (every token an output).
+Our runs and llama.cpp's alternate (llama.cpp in a :class:`LlamaSession` in the oracle's interpreter), best of
+``--reps`` each, so a busy machine slows both alike.
 
-    .venv/bin/python benchmarks/bench_runtime.py [--threads 1] [--n-ctx 1024] [--n-par 1,4] [--wtype q4_K]
-                                                 [--json out.json]
+Columns: tokens/s of the decode steps for both and the ratio (ours / llama.cpp, 1.0 = as fast), including building
+each step's batch and taking its logits into numpy on both sides; ``core``: the same ratio for the decode call alone
+(``Context.decode`` / ``llama_decode``); ``cpu``: the ratio of the steps' CPU time of the calling thread (what a busy
+machine skews least; with more than one thread it leaves out the other threads' share); ``prompt``: the ratio for
+the prompt batch.  Then our host time per step
+split into batch splitting, cache bookkeeping, memory updates, input setting, graph build and compute (with the
+logits read back), and the C calls and tensor-struct reads per step.
+
+    .venv/bin/python benchmarks/bench_runtime.py [--models tiny,real] [--n-par 1,4,8] [--modes fa-streams,...]
+                                                 [--threads 1] [--real-threads 2] [--reps 5] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+# nothing in a decode step calls BLAS; numpy's OpenBLAS threads only spin for a moment after import, on a core both
+# sides need while models are made and loaded (llama.cpp's session inherits this too)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from kvcache_ggml.batch import Batch
-from kvcache_ggml.runtime import Context, Model, make_model
-from kvcache_ggml.runtime.llama_runner import llama_available, run_llama
-from kvcache_ggml.runtime.modelmaker import ModelSpec
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from native_calls import NativeCalls  # noqa: E402
+
+from kvcache_ggml import _ggml as G  # noqa: E402
+from kvcache_ggml.batch import Batch  # noqa: E402
+from kvcache_ggml.runtime import Context, Model, make_model  # noqa: E402
+from kvcache_ggml.runtime.llama_runner import LlamaSession, llama_available  # noqa: E402
+from kvcache_ggml.runtime.modelmaker import ModelSpec  # noqa: E402
+
+GPT2_VOCAB = ROOT / "tests" / "data" / "vocab" / "ggml-vocab-gpt-2.gguf"
+MODELS = {
+    "tiny": ModelSpec(layers=2, embd=64, heads=8, heads_kv=4, ff=128, vocab=256, type="f32"),
+    "real": ModelSpec(layers=12, embd=768, heads=12, heads_kv=4, ff=2048, type="q4_0", tied=True,
+                      vocab_from=str(GPT2_VOCAB)),
+}
+MODES = {"fa-streams": (True, False), "fa-unified": (True, True), "nofa-streams": (False, False),
+         "nofa-unified": (False, True)}
+PHASES = ("batch", "bookkeeping", "update", "inputs", "build", "compute")
 
 
-def ours(path: Path, a: argparse.Namespace, n_par: int, prompt: list[int]) -> dict:
-    """The runner's ``bench`` op, on our runtime."""
-    best_p = best_g = float("inf")
-    split = None
-    with Model(path) as m, Context(m, n_ctx=a.n_ctx, n_batch=a.n_ctx, n_ubatch=512, n_seq_max=max(n_par, 1),
-                                   kv_unified=a.unified, flash_attn=a.flash_attn, type_k=a.type_kv,
-                                   type_v=a.type_kv, n_threads=a.threads, n_threads_batch=a.threads) as ctx:
-        n_vocab = m.n_vocab
-        for _ in range(a.reps):
-            ctx.memory_clear(True)
-            n = len(prompt)
-            t0 = time.perf_counter()
-            ctx.decode(Batch(token=np.array(prompt, np.int32), pos=np.arange(n, dtype=np.int32)))
-            best_p = min(best_p, time.perf_counter() - t0)
-            for s in range(1, n_par):
-                ctx.memory_seq_cp(0, s, -1, -1)
-            ctx.times.reset()
-            seqs = np.arange(n_par, dtype=np.int32)
-            flags = np.ones(n_par, np.int8)
-            t0 = time.perf_counter()
-            for step in range(a.n_gen):
-                toks = np.array([(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)], np.int32)
-                ctx.decode(Batch(token=toks, pos=np.full(n_par, n + step, np.int32), seq_id=seqs, logits=flags))
-            dt = time.perf_counter() - t0
-            if dt < best_g:
-                best_g = dt
-                split = ctx.times.as_dict()
-    return {"prompt_s": best_p, "gen_s": best_g, "split": split}
+@dataclass(slots=True)
+class Config:
+    """One line of the table."""
+
+    model: str           # key of MODELS
+    path: Path           # its GGUF
+    n_par: int           # sequences decoding together
+    mode: str            # key of MODES
+    threads: int         # CPU threads (both sides)
+    n_ctx: int           # context size, all sequences together
+    n_gen: int           # decode steps of one run
+
+    def params(self) -> dict:
+        fa, unified = MODES[self.mode]
+        return dict(n_ctx=self.n_ctx, n_batch=self.n_ctx, n_ubatch=512, n_seq_max=self.n_par, kv_unified=unified,
+                    flash_attn=fa, type_k="f16", type_v="f16")
+
+
+@dataclass(slots=True)
+class Result:
+    """Best runs of one configuration (seconds) and our figures of the best decode run."""
+
+    prompt_s: float = float("inf")          # ours: the prompt batch
+    gen_s: float = float("inf")             # ours: the n_gen steps with their batches
+    decode_s: float = float("inf")          # ours: the Context.decode calls of those steps
+    cpu_s: float = float("inf")             # ours: this thread's CPU time of those steps
+    split: dict = field(default_factory=dict)  # ours: StepTimes of the best decode run
+    calls: float = 0.0                      # ours: C calls per step
+    reads: float = 0.0                      # ours: tensor struct reads per step
+    llama: dict | None = None               # llama.cpp's best prompt_s, gen_s, decode_s (None: not run)
+
+
+def our_rep(ctx: Context, prompt: np.ndarray, cfg: Config, res: Result) -> None:
+    """One run of the runner's ``bench`` op on our runtime; keeps the best figures in ``res``."""
+    n_vocab, n_par, n = ctx.n_vocab, cfg.n_par, len(prompt)
+    ctx.memory_clear(True)
+    t0 = time.perf_counter()
+    ctx.decode(Batch(token=prompt, pos=np.arange(n, dtype=np.int32)))
+    res.prompt_s = min(res.prompt_s, time.perf_counter() - t0)
+    for s in range(1, n_par):
+        ctx.memory_seq_cp(0, s, -1, -1)
+    ctx.times.reset()
+    seqs = np.arange(n_par, dtype=np.int32)
+    flags = np.ones(n_par, np.int8)
+    spent = 0.0
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for step in range(cfg.n_gen):
+        toks = np.array([(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)], np.int32)
+        b = Batch(token=toks, pos=np.full(n_par, n + step, np.int32), seq_id=seqs, logits=flags)
+        t1 = time.perf_counter()
+        ctx.decode(b)
+        spent += time.perf_counter() - t1
+    dt = time.perf_counter() - t0
+    res.cpu_s = min(res.cpu_s, time.thread_time() - c0)
+    if dt < res.gen_s:
+        res.gen_s, res.decode_s, res.split = dt, spent, ctx.times.as_dict()
+
+
+def count_calls(ctx: Context, cfg: Config, res: Result, steps: int = 8) -> None:
+    """C calls and struct reads per one-token-per-sequence step, after the timed runs (graph reused)."""
+    seqs = np.arange(cfg.n_par, dtype=np.int32)
+    pos = ctx.memory_seq_pos_max(0) + 1
+    batches = [Batch(token=np.full(cfg.n_par, 7, np.int32), pos=np.full(cfg.n_par, pos + i, np.int32),
+                     seq_id=seqs, logits=np.ones(cfg.n_par, np.int8)) for i in range(steps)]
+    ctx.decode(batches[0])
+    with NativeCalls() as nc:
+        for b in batches[1:]:
+            ctx.decode(b)
+    res.calls, res.reads = nc.total() / (steps - 1), nc.struct_reads / (steps - 1)
+
+
+def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: bool) -> Result:
+    """Both sides' best runs of one configuration, alternating."""
+    prompt = np.random.default_rng(0).integers(3, model.n_vocab, a.prompt).astype(np.int32)
+    res = Result()
+    session = None
+    if with_llama:
+        session = LlamaSession(str(cfg.path), dict(cfg.params(), n_threads=cfg.threads))
+    op = {"op": "bench", "prompt": prompt.tolist(), "n_gen": cfg.n_gen, "n_par": cfg.n_par, "reps": 1}
+    try:
+        with Context(model, n_threads=cfg.threads, n_threads_batch=cfg.threads, **cfg.params()) as ctx:
+            for _ in range(a.reps):
+                our_rep(ctx, prompt, cfg, res)
+                if session is not None:
+                    ans = session.op(op)
+                    best = res.llama or {"prompt_s": float("inf"), "gen_s": float("inf"), "cpu_s": float("inf")}
+                    best["prompt_s"] = min(best["prompt_s"], ans["prompt_s"])
+                    best["cpu_s"] = min(best["cpu_s"], ans["cpu_s"])
+                    if ans["gen_s"] < best["gen_s"]:
+                        best["gen_s"], best["decode_s"] = ans["gen_s"], ans["decode_s"]
+                    res.llama = best
+            count_calls(ctx, cfg, res)
+    finally:
+        if session is not None:
+            session.close()
+    return res
+
+
+def _ratio(o: float, t: float | None) -> str:
+    return f"{t / o:7.2f}" if t else "      -"   # o, t are seconds: tokens/s ours / llama.cpp = t / o
+
+
+def print_tables(rows: list[tuple[Config, Result]]) -> None:
+    print(f"\n{'model':>5} {'seqs':>4} {'mode':>13} {'thr':>3} {'ours tok/s':>11} {'llama tok/s':>11} "
+          f"{'ratio':>7} {'core':>7} {'cpu':>7} {'prompt':>7}")
+    for cfg, r in rows:
+        n_tok = cfg.n_par * cfg.n_gen
+        ll = r.llama or {}
+        print(f"{cfg.model:>5} {cfg.n_par:>4} {cfg.mode:>13} {cfg.threads:>3} {n_tok / r.gen_s:11.0f} "
+              f"{(n_tok / ll['gen_s']) if ll else 0:11.0f} {_ratio(r.gen_s, ll.get('gen_s'))} "
+              f"{_ratio(r.decode_s, ll.get('decode_s'))} {_ratio(r.cpu_s, ll.get('cpu_s'))} "
+              f"{_ratio(r.prompt_s, ll.get('prompt_s'))}")
+    print("\nour host time per decode step (us), C calls and tensor struct reads per step:")
+    print(f"{'':>24} " + " ".join(f"{c:>11}" for c in PHASES) + f" {'total':>9} {'reused':>8} {'calls':>6} "
+          f"{'reads':>6}")
+    for cfg, r in rows:
+        sp = r.split
+        vals = [sp[c] / cfg.n_gen * 1e6 for c in PHASES]
+        print(f"{cfg.model + ' ' + str(cfg.n_par) + ' ' + cfg.mode:>24} " + " ".join(f"{v:11.1f}" for v in vals)
+              + f" {sum(vals):9.1f} {sp['n_graph_reused']:>4}/{sp['n_ubatch']:<3} {r.calls:6.1f} {r.reads:6.1f}")
+
+
+def model_path(name: str, a: argparse.Namespace, tmp: Path) -> Path:
+    given = getattr(a, name)
+    if given:
+        return Path(given)
+    t0 = time.perf_counter()
+    path = make_model(tmp / f"{name}.gguf", MODELS[name])
+    print(f"({name} model made in {time.perf_counter() - t0:.1f} s)", flush=True)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--n-ctx", type=int, default=1024)
+    ap.add_argument("--models", default="tiny,real", help="comma-separated: tiny, real")
+    ap.add_argument("--tiny", help="use this GGUF as the tiny model")
+    ap.add_argument("--real", help="use this GGUF as the real model")
+    ap.add_argument("--n-par", default="1,4,8", help="comma-separated sequence counts")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
+    ap.add_argument("--threads", type=int, default=1, help="threads of the tiny model")
+    ap.add_argument("--real-threads", type=int, default=2, help="threads of the real model")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    ap.add_argument("--n-gen", type=int, default=64, help="decode steps")
-    ap.add_argument("--n-par", default="1,4", help="comma-separated sequence counts")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--type-kv", default="f16", help="K and V cache type (llama.cpp's default f16)")
-    ap.add_argument("--no-flash-attn", dest="flash_attn", action="store_false")
-    ap.add_argument("--unified", action="store_true", help="one cache stream for all sequences")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--embd", type=int, default=128)
-    ap.add_argument("--wtype", default="f32", help="weight type of the matrices (q4_0, q4_K, q6_K, ...)")
+    ap.add_argument("--n-gen", type=int, default=64, help="decode steps (the real model: a quarter)")
+    ap.add_argument("--reps", type=int, default=5, help="runs of each side per configuration (best kept)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args(argv)
-    spec = ModelSpec(layers=a.layers, embd=a.embd, heads=8, heads_kv=4, ff=2 * a.embd, vocab=256, type=a.wtype)
-    prompt = np.random.default_rng(0).integers(3, spec.vocab, a.prompt).tolist()
+    G.set_log_level(3)  # warnings and errors only, as llama.cpp's side (not CPU_REPACK's line per tensor)
     why = llama_available()
-    results = []
+    rows: list[tuple[Config, Result]] = []
     with tempfile.TemporaryDirectory(prefix="bench_runtime_") as tmp:
-        path = make_model(Path(tmp) / "tiny.gguf", spec)
-        print(f"model: {spec.layers} layers, n_embd {spec.embd}, heads {spec.heads}/{spec.heads_kv}, ff {spec.ff}, "
-              f"vocab {spec.vocab} ({a.wtype}); n_ctx {a.n_ctx}, K/V {a.type_kv}, flash attention "
-              f"{'on' if a.flash_attn else 'off'}, {'unified' if a.unified else 'per-sequence streams'}, "
-              f"{a.threads} thread(s); prompt {a.prompt}, {a.n_gen} decode steps, best of {a.reps}")
-        for n_par in (int(x) for x in a.n_par.split(",")):
-            mine = ours(path, a, n_par, prompt)
-            theirs = None
-            if why is None:
-                spec_l = {"model": str(path), "params": {"n_ctx": a.n_ctx, "n_batch": a.n_ctx, "n_ubatch": 512,
-                                                         "n_seq_max": max(n_par, 1), "kv_unified": a.unified,
-                                                         "flash_attn": a.flash_attn, "type_k": a.type_kv,
-                                                         "type_v": a.type_kv, "n_threads": a.threads},
-                          "ops": [{"op": "bench", "prompt": prompt, "n_gen": a.n_gen, "n_par": n_par,
-                                   "reps": a.reps}]}
-                out = run_llama(spec_l)
-                if "abort" in out[-1]:
-                    print(f"llama.cpp run failed: {out[-1]}", file=sys.stderr)
-                else:
-                    theirs = out[0]
-            results.append({"n_par": n_par, "ours": mine, "llama": theirs})
+        for name in a.models.split(","):
+            path = model_path(name, a, Path(tmp))
+            threads = a.threads if name == "tiny" else a.real_threads
+            n_gen = a.n_gen if name == "tiny" else max(4, a.n_gen // 4)
+            with Model(path) as m:
+                for n_par in (int(x) for x in a.n_par.split(",")):
+                    for mode in a.modes.split(","):
+                        cfg = Config(name, path, n_par, mode, threads, max(1024, 256 * n_par), n_gen)
+                        rows.append((cfg, run_config(m, cfg, a, why is None)))
+                        print(f"  done: {name} x{n_par} {mode}", flush=True)
+            print_tables([r for r in rows if r[0].model == name])
     if why:
         print(f"(llama.cpp not run: {why})")
-
-    print(f"\n{'':>24} {'ours tok/s':>12} {'llama.cpp':>12} {'ratio':>7}")
-    for r in results:
-        n_par, mine, theirs = r["n_par"], r["ours"], r["llama"]
-        rows = [("prompt", a.prompt / mine["prompt_s"], theirs and a.prompt / theirs["prompt_s"]),
-                (f"decode x{n_par} seq", n_par * a.n_gen / mine["gen_s"],
-                 theirs and n_par * a.n_gen / theirs["gen_s"])]
-        for name, o, t in rows:
-            ratio = f"{o / t:7.2f}" if t else "      -"
-            print(f"{name + f' (n_par {n_par})':>24} {o:12.0f} {(t or 0):12.0f} {ratio}")
-    print("\nour host time per decode step (us):")
-    cols = ("batch", "bookkeeping", "update", "inputs", "build", "compute")
-    print(f"{'':>12} " + " ".join(f"{c:>11}" for c in cols) + f" {'total':>9} {'reused':>7}")
-    for r in results:
-        sp = r["ours"]["split"]
-        steps = a.n_gen
-        vals = [sp[c] / steps * 1e6 for c in cols]
-        print(f"{'n_par ' + str(r['n_par']):>12} " + " ".join(f"{v:11.1f}" for v in vals)
-              + f" {sum(vals):9.1f} {sp['n_graph_reused']:>3}/{sp['n_ubatch']}")
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1))
+        a.json.write_text(json.dumps([{"model": c.model, "n_par": c.n_par, "mode": c.mode, "threads": c.threads,
+                                       "ours": {"prompt_s": r.prompt_s, "gen_s": r.gen_s, "decode_s": r.decode_s,
+                                                "cpu_s": r.cpu_s, "split": r.split, "calls": r.calls,
+                                                "reads": r.reads},
+                                       "llama": r.llama} for c, r in rows], indent=1))
     return 0
 
 

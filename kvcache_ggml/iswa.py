@@ -248,6 +248,11 @@ class KVCacheISWA:
         base, swa = self._check_open()
         return KVCacheISWAContext(None, base.init_update(lctx, optimize), swa.init_update(lctx, optimize))
 
+    def has_pending_update(self) -> bool:
+        """True when :meth:`init_update` would have something to do in either cache."""
+        base, swa = self._check_open()
+        return base.has_pending_update() or swa.has_pending_update()
+
     # ================================================================== state
 
     def state_write(self, io: StateWriter, seq_id: int = -1, flags: int = 0) -> int:

@@ -448,6 +448,53 @@ def test_to_numpy_views_and_copies():
         assert G.ttype(h) is G.GGMLType.F16 and G.to_numpy(h).tolist() == [1.5, -2.0]
 
 
+def test_get_into_copies_whole_tensors_into_a_given_array():
+    with G.Context.for_tensors(2) as ctx:
+        t = ctx.new_tensor("f32", (5, 3))
+        with G.BackendBuffer.for_context(ctx, G.cpu_buffer_type()):
+            want = np.random.default_rng(3).standard_normal((3, 5)).astype(np.float32)
+            G.set_tensor(t, want)
+            out = np.full((4, 5), -7.0, np.float32)
+            G.get_into(t, out[1:4])                      # rows of a larger array: no allocation
+            np.testing.assert_array_equal(out[1:4], want)
+            assert (out[0] == -7.0).all()                # nothing written outside the rows given
+            with pytest.raises(ValueError, match="60 bytes"):
+                G.get_into(t, np.zeros((2, 5), np.float32))
+            with pytest.raises(ValueError, match="not contiguous"):
+                G.get_into(t, np.zeros((3, 10), np.float32)[:, ::2])
+            v = G.ggml_view_2d(ctx.ptr, t, 2, 3, G.nb(t)[1], 4)
+            with pytest.raises(ValueError, match="is not contiguous"):
+                G.get_into(v, np.zeros((3, 2), np.float32))
+
+
+def test_native_call_counter_counts_and_restores():
+    from native_calls import NativeCalls
+    before = dict(G.FUNCTIONS)
+    with G.Context(1 << 12) as ctx:
+        t = G.from_numpy(ctx, np.zeros((2, 3), np.float32))
+        with NativeCalls() as nc:
+            assert G.nelements(t) == 6 and G.ne(t) == (3, 2, 1, 1)
+            G.ggml_nbytes(t)
+        assert dict(nc.calls) == {"ggml_nelements": 1, "ggml_nbytes": 1} and nc.struct_reads == 1
+    assert G.FUNCTIONS == before and all(getattr(G, k) is v for k, v in before.items())
+
+
+def test_advise_huge_pages_keeps_the_data_and_covers_the_aligned_interior():
+    huge = 2 << 20
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    thp_on = sys.platform.startswith("linux") and thp.exists() and "[never]" not in thp.read_text()
+    with G.Context.for_tensors(1) as ctx:
+        t = ctx.new_tensor("f32", (3 * huge // 4 + 1000,))
+        with G.BackendBuffer.for_context(ctx, G.cpu_buffer_type()) as buf:
+            data = np.random.default_rng(4).standard_normal(G.ne(t)[0]).astype(np.float32)
+            G.set_tensor(t, data)
+            got = buf.advise_huge_pages()
+            interior = (buf.base + buf.size) // huge * huge - -(-buf.base // huge) * huge
+            assert got == (interior if thp_on else 0)
+            assert buf.in_cpu_memory and interior >= huge
+            np.testing.assert_array_equal(G.to_numpy(t, copy=True), data)
+
+
 def test_set_tensor_through_a_backend_buffer():
     with G.Context.for_tensors(2) as ctx:
         t = ctx.new_tensor("i32", (4, 2))

@@ -299,11 +299,13 @@ class ISWAMachine(RuleBasedStateMachine):
 
     @rule()
     def update(self):
+        pending = self.mem.has_pending_update()
         ctx = self.mem.init_update()
         want = (MemoryStatus.SUCCESS if self.twin.base.get_has_shift() or self.twin.swa.get_has_shift()
                 or not self.twin.base.sc_info.empty() or not self.twin.swa.sc_info.empty()
                 else MemoryStatus.NO_UPDATE)
         assert ctx.get_status() == want
+        assert pending == (want == MemoryStatus.SUCCESS)
         ctx.apply()
         for kv in (self.twin.base, self.twin.swa):
             kv.init_update().apply()

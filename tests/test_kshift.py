@@ -395,6 +395,23 @@ def test_copy_then_shift_rotates_both_streams():
     kv.close()
 
 
+def test_has_pending_update_is_what_init_update_finds():
+    """has_pending_update() answers without taking anything: a K-shift or a stream copy pending, or neither."""
+    kv = make_cache(model=TinyModel(rope_type=RopeType.NORM), type_k="f32", n_stream=2)
+    place(kv, 0, 6, seq=0)
+    steps = [lambda: None, lambda: kv.seq_add(0, 2, 6, 3), lambda: kv.seq_cp(0, 1),
+             lambda: kv.seq_add(1, 0, -1, 0), lambda: kv.seq_div(0, 0, -1, 2)]
+    for change in steps:
+        change()
+        pending = kv.has_pending_update()
+        assert pending == kv.has_pending_update()    # asking takes nothing
+        kctx = kv.init_update(None)
+        assert pending == (kctx.get_status().name == "SUCCESS")
+        kctx.apply()
+        assert not kv.has_pending_update()
+    kv.close()
+
+
 def test_cparams_from_hparams_follows_llama_context():
     hp = HParams.simple(n_layer=1, n_embd_head=8, n_head=1, n_head_kv=1, n_ctx_train=8192,
                         rope_freq_base_train=500000.0)

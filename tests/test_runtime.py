@@ -92,6 +92,46 @@ def test_several_sequences_in_one_batch(model, ref, fa, unified):
             assert np.array_equal(ctx.get_logits_ith(row), step[row])
 
 
+@pytest.mark.parametrize("fa,unified", MODES)
+def test_one_token_steps_leave_earlier_results_alone(model, ref, fa, unified):
+    """The decode fast path reuses the graph and its buffers, never a result: each decode's logits and output ids
+    stay as returned through later decodes, and equal a from-scratch forward pass."""
+    prompts = [tokens(5, seed) for seed in (21, 22, 23)]
+    with ctx_of(model, flash_attn=fa, kv_unified=unified) as ctx:
+        for s, p in enumerate(prompts):
+            ctx.decode(Batch(token=p, seq_id=np.full(5, s, np.int32)))
+        seqs = np.arange(3, dtype=np.int32)
+        kept = []
+        for step in range(4):
+            nxt = np.array([11 + step, 30 - step, 40 + step], np.int32)
+            got = ctx.decode(Batch(token=nxt, seq_id=seqs, logits=np.ones(3, np.int8)))
+            assert ctx.output_ids.tolist() == [0, 1, 2]
+            kept.append((got, got.copy(), ctx.output_ids, nxt))
+            prompts = [np.append(p, t) for p, t in zip(prompts, nxt)]
+            for s in range(3):
+                assert rel_err(got[s], ref.forward(prompts[s])[-1]) < TOL
+        ctx.decode(Batch(token=np.array([5], np.int32), seq_id=np.array([1], np.int32)))  # another shape
+        for got, copy, ids, _ in kept:
+            assert np.array_equal(got, copy) and ids.tolist() == [0, 1, 2]
+        assert ctx.output_ids.tolist() == [0] and ctx.logits.shape == (1, VOCAB)
+
+
+def test_steady_one_token_step_makes_one_graph_compute(model):
+    """A one-token step on a reused graph: one C call of the runtime's own (the compute) and the few of the cache's
+    input setting, and no call at all to update the memory when nothing is pending."""
+    from native_calls import NativeCalls
+    with ctx_of(model) as ctx:
+        ctx.decode(Batch(token=tokens(6, seed=31)))
+        for t in (4, 5):
+            ctx.decode(Batch(token=np.array([t], np.int32)))
+        with NativeCalls() as nc:
+            for t in (6, 7, 8, 9):
+                ctx.decode(Batch(token=np.array([t], np.int32)))
+        assert ctx.times.update == 0.0
+    assert nc.calls["ggml_backend_sched_graph_compute"] == 4
+    assert nc.total() <= 4 * 4 and nc.struct_reads <= 4 * 4, (dict(nc.calls), nc.struct_reads)
+
+
 def test_embeddings_input(model, ref):
     """A batch of embeddings (llama_batch.embd) instead of token ids gives the same logits."""
     toks = tokens(6, seed=14)

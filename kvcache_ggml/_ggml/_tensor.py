@@ -206,6 +206,18 @@ def to_numpy(t: TensorP, copy: bool = False, ndim: int | None = None) -> np.ndar
     return np.ndarray(shape, dtype, buffer=raw_copy, strides=strides).copy()
 
 
+def get_into(t: TensorP, out: np.ndarray) -> None:
+    """Copy the data of contiguous tensor t, from any buffer, into ``out``: a C-contiguous, writable numpy array of
+    exactly ``nbytes(t)`` bytes (ggml_backend_tensor_get: one native call, no allocation)."""
+    if not is_contiguous(t):
+        raise ValueError(f"tensor {name(t)!r} is not contiguous; get_into copies whole tensors")
+    n = nbytes(t)
+    if not out.flags.c_contiguous or not out.flags.writeable or out.nbytes != n:
+        raise ValueError(f"get_into needs a C-contiguous, writable array of {n} bytes for tensor {name(t)!r}, got "
+                         f"{out.nbytes} bytes{'' if out.flags.c_contiguous else ', not contiguous'}")
+    _F["ggml_backend_tensor_get"](t, out.ctypes.data, 0, n)
+
+
 def host_bytes(t: TensorP, offset: int, size: int) -> np.ndarray | None:
     """Bytes ``[offset, offset + size)`` of a host tensor's data as a writable uint8 view (None for a device
     buffer): no copy, valid while the tensor's buffer lives."""

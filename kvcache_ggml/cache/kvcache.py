@@ -202,6 +202,11 @@ class KVCache:
         del optimize
         return KVCacheContext.update_ctx(self, lctx, self.get_has_shift(), self.book.take_stream_copies())
 
+    def has_pending_update(self) -> bool:
+        """True when :meth:`init_update` would have something to do (a pending K-shift or queued stream copies):
+        what its context's status says, without making one."""
+        return self.book.get_has_shift() or not self.book.sc_info.empty()
+
     def prepare(self, ubatches: Sequence[UBatch]) -> list[SlotInfo]:
         return self.book.prepare(ubatches)
 

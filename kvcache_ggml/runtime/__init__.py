@@ -8,7 +8,8 @@
 * :class:`~kvcache_ggml.runtime.reference.Reference` -- a float64 numpy forward pass of the same file;
 * :class:`~kvcache_ggml.runtime.tokenizer.Vocab` -- text <-> ids from the GGUF's vocabulary (``llama_vocab``);
 * :func:`~kvcache_ggml.runtime.memory.kv_memory_plan` -- the KV cache's bytes before allocation;
-* :class:`~kvcache_ggml.runtime.trace.NodeTrace` -- every named node's value, to compare with llama.cpp's.
+* :class:`~kvcache_ggml.runtime.trace.NodeTrace` -- every named node's value, to compare with llama.cpp's;
+  :class:`~kvcache_ggml.runtime.trace.NodeList` -- every node's op, type, shape and strides.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ _LAZY = {
     "Vocab": ".tokenizer",
     "kv_memory_plan": ".memory",
     "NodeTrace": ".trace",
+    "NodeList": ".trace",
     "load_model": ".arch",
     "GemmaModel": ".gemma",
     "GemmaReference": ".gemma_reference",

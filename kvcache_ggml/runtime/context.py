@@ -32,6 +32,7 @@ from .graph import DecoderGraph
 __all__ = ["Context", "RuntimeParams", "DecodeError", "StepTimes"]
 
 _perf = time.perf_counter
+_SUCCESS = int(G.Status.SUCCESS)
 
 
 class DecodeError(RuntimeError):
@@ -122,13 +123,15 @@ class StepTimes:
 
 
 class _TimedSplits:
-    """A BatchAllocator whose splits add their time to ``seconds`` (so init_batch's time can be divided)."""
-
-    __slots__ = ("_balloc", "seconds")
+    """The context's BatchAllocator as init_batch sees it: the splits add their time to ``seconds`` (so init_batch's
+    time can be divided between the splits and the slot search).  One per context, reused every step; the other
+    methods the caches call are the allocator's own bound methods."""
 
     def __init__(self, balloc: BatchAllocator) -> None:
         self._balloc = balloc
         self.seconds = 0.0
+        for name in ("split_reset", "get_n_tokens", "get_n_used", "get_n_outputs", "ubatch_reserve"):
+            setattr(self, name, getattr(balloc, name))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._balloc, name)
@@ -194,7 +197,15 @@ class Context:
             raise
         self.balloc = BatchAllocator(hp.n_pos_per_embd())
         self.logits = np.zeros((0, self.n_vocab), np.float32)   # [n_outputs, n_vocab] of the last decode
-        self.output_ids = np.zeros(0, np.int32)                  # batch index -> logits row (-1: no output)
+        self.output_ids = np.zeros(0, np.int32)                  # batch index -> logits row (-1: no output);
+        #                                                          read-only when every token is an output
+        # what decode() reads every step, resolved once
+        self._splits = _TimedSplits(self.balloc)                 # the allocator, its splits timed
+        self._n_embd = int(hp.n_embd)
+        self._balloc_seq_max = LLAMA_MAX_SEQ if params.kv_unified else self.cparams.n_seq_max
+        self._iota = np.arange(self.cparams.n_batch, dtype=np.int32)  # read-only 0..n_batch-1: output_ids
+        self._iota.flags.writeable = False                       # of a batch whose every token is an output
+        self._n_threads_set = 0                                  # what the CPU backend was last set to (0: unknown)
 
     # ------------------------------------------------------------------ decode
 
@@ -203,46 +214,25 @@ class Context:
 
         Raises :class:`DecodeError` where llama_decode returns non-zero (``code`` is that value).
         """
-        kv, tm = self._kv(), self.times
-        cp = self.cparams
+        kv, tm, balloc = self._kv(), self.times, self.balloc
         t0 = _perf()
-        n_seq_max = LLAMA_MAX_SEQ if self.params.kv_unified else cp.n_seq_max
         try:
-            self.balloc.init(batch, self.n_vocab, kv, self.model.hparams.n_embd, n_seq_max, False)
+            balloc.init(batch, self.n_vocab, kv, self._n_embd, self._balloc_seq_max, False)
         except ValueError as e:
             raise DecodeError(-1, f"invalid batch: {e}") from None
-        n_tokens_all = self.balloc.get_n_tokens()
-        n_outputs_all = self.balloc.get_n_outputs()
-        if n_tokens_all > cp.n_batch:
-            raise DecodeError(-1, f"batch of {n_tokens_all} tokens exceeds n_batch = {cp.n_batch}")
+        n_tokens_all = balloc.get_n_tokens()
+        n_outputs_all = balloc.get_n_outputs()
+        if n_tokens_all > self.cparams.n_batch:
+            raise DecodeError(-1, f"batch of {n_tokens_all} tokens exceeds n_batch = {self.cparams.n_batch}")
         tm.batch += _perf() - t0
         tm.n_decode += 1
 
-        self._memory_update(False)
+        if kv.has_pending_update():
+            self._memory_update(False)
+        mctx = self._init_batch(kv, n_tokens_all)
 
-        did_optimize = False
-        while True:
-            t0 = _perf()
-            timed = _TimedSplits(self.balloc)
-            try:
-                mctx = kv.init_batch(timed, cp.n_ubatch, False)
-            except ValueError as e:
-                raise DecodeError(1, str(e)) from None
-            finally:
-                dt = _perf() - t0
-                tm.batch += timed.seconds
-                tm.bookkeeping += dt - timed.seconds
-            status = mctx.get_status()
-            if status == MemoryStatus.SUCCESS:
-                break
-            if status == MemoryStatus.FAILED_PREPARE and not did_optimize:
-                did_optimize = True
-                if self._memory_update(True):
-                    continue
-            raise DecodeError(1, f"no memory slot for a batch of {n_tokens_all} tokens "
-                                 f"({status.name}; cache of {kv.get_size()} cells per stream)")
-
-        rows: list[np.ndarray] = []
+        logits = np.empty((n_outputs_all, self.n_vocab), np.float32)  # rows in split order
+        row = 0
         while True:
             ubatch = mctx.get_ubatch()
             t0 = _perf()
@@ -252,23 +242,56 @@ class Context:
                 n_outputs = ubatch.n_tokens
             else:
                 n_outputs = int(np.count_nonzero(ubatch.output[:ubatch.n_tokens]))
-            out = self._process_ubatch(mctx, ubatch, n_outputs)
-            if out is not None:
-                rows.append(out)
+            self._process_ubatch(mctx, ubatch, n_outputs, logits[row:row + n_outputs])
+            row += n_outputs
             if not mctx.next():
                 break
-
-        logits = np.concatenate(rows) if rows else np.zeros((0, self.n_vocab), np.float32)
-        out_ids = self.balloc.get_out_ids()                  # batch index of each row, in split order
-        order = np.argsort(out_ids, kind="stable")
-        self.logits = logits[order]
-        self.output_ids = np.full(n_tokens_all, -1, np.int32)
-        self.output_ids[out_ids[order]] = np.arange(len(order), dtype=np.int32)
+        t0 = _perf()
+        self._set_outputs(logits, n_tokens_all)
+        tm.compute += _perf() - t0
         tm.n_tokens += n_tokens_all
         return self.logits
 
-    def _process_ubatch(self, mctx: Any, ubatch: Any, n_outputs: int) -> np.ndarray | None:
-        """Build (or reuse), fill and compute the graph of one applied ubatch; its logits rows."""
+    def _init_batch(self, kv: Any, n_tokens_all: int) -> Any:
+        """Split the batch and find its slots (init_batch), once more after an optimizing update if it failed."""
+        tm, splits = self.times, self._splits
+        did_optimize = False
+        while True:
+            t0 = _perf()
+            splits.seconds = 0.0
+            try:
+                mctx = kv.init_batch(splits, self.cparams.n_ubatch, False)
+            except ValueError as e:
+                raise DecodeError(1, str(e)) from None
+            finally:
+                tm.batch += splits.seconds
+                tm.bookkeeping += _perf() - t0 - splits.seconds
+            status = mctx.get_status()
+            if status == MemoryStatus.SUCCESS:
+                return mctx
+            if status == MemoryStatus.FAILED_PREPARE and not did_optimize:
+                did_optimize = True
+                if self._memory_update(True):
+                    continue
+            raise DecodeError(1, f"no memory slot for a batch of {n_tokens_all} tokens "
+                                 f"({status.name}; cache of {kv.get_size()} cells per stream)")
+
+    def _set_outputs(self, logits: np.ndarray, n_tokens_all: int) -> None:
+        """``self.logits`` in batch order and ``self.output_ids`` from the rows in split order."""
+        out_ids = self.balloc.get_out_ids()                  # batch index of each row, in split order
+        n = len(out_ids)
+        iota = self._iota[:n]
+        # every token an output, rows in batch order (bytes compared: a few times cheaper than array_equal)
+        if n == n_tokens_all and out_ids.tobytes() == iota.tobytes():
+            self.logits, self.output_ids = logits, iota
+            return
+        order = np.argsort(out_ids, kind="stable")
+        self.logits = logits[order]
+        self.output_ids = np.full(n_tokens_all, -1, np.int32)
+        self.output_ids[out_ids[order]] = iota
+
+    def _process_ubatch(self, mctx: Any, ubatch: Any, n_outputs: int, dst: np.ndarray) -> None:
+        """Build (or reuse), fill and compute the graph of one applied ubatch; its logits rows into ``dst``."""
         tm = self.times
         t0 = _perf()
         key = self._rt.graph_key(mctx, ubatch, n_outputs, self.params.kv_unified)
@@ -276,32 +299,38 @@ class Context:
         if g is not None and self.params.graph_reuse and g.key == key:
             tm.n_graph_reused += 1
         else:
-            self._prev = None
-            self._sched.reset()
-            G.ggml_reset(self._gctx.ptr)
-            g = self._rt.build(self._gctx, self.model, self.cparams, mctx, ubatch, key,
-                               flash_attn=self.params.flash_attn, fa_cast_f32_kv=self.params.fa_cast_f32_kv)
-            self._sched.alloc_graph(g.graph)
-            g.map_inputs()
-            self._prev = g
+            g = self._build(mctx, ubatch, key)
         t1 = _perf()
         tm.build += t1 - t0
         self._rt.set_inputs(g, mctx, ubatch, self.cparams.causal_attn)
         t2 = _perf()
         tm.inputs += t2 - t1
-        self._cpu.set_n_threads(self.cparams.n_threads if ubatch.n_tokens == 1 else self.cparams.n_threads_batch)
+        n_threads = self.cparams.n_threads if ubatch.n_tokens == 1 else self.cparams.n_threads_batch
+        if n_threads != self._n_threads_set:
+            self._cpu.set_n_threads(n_threads)
+            self._n_threads_set = n_threads
         status = G.ggml_backend_sched_graph_compute(self._sched.ptr, g.graph.ptr)
-        if status != G.Status.SUCCESS:
+        if status != _SUCCESS:
             self._prev = None
             self._forget_ubatch(ubatch)
             code = -2 if status == G.Status.ALLOC_FAILED else 2 if status == G.Status.ABORTED else -3
             raise DecodeError(code, f"graph compute returned {G.Status(status).name}")
-        out = None
         if n_outputs:
-            out = G.to_numpy(g.logits, copy=True).reshape(n_outputs, self.n_vocab)
+            g.read_logits(dst)
         tm.compute += _perf() - t2
         tm.n_ubatch += 1
-        return out
+
+    def _build(self, mctx: Any, ubatch: Any, key: Any) -> Any:
+        """A new graph for ``key``: built in the reset graph context, allocated by the reset scheduler."""
+        self._prev = None
+        self._sched.reset()
+        G.ggml_reset(self._gctx.ptr)
+        g = self._rt.build(self._gctx, self.model, self.cparams, mctx, ubatch, key,
+                           flash_attn=self.params.flash_attn, fa_cast_f32_kv=self.params.fa_cast_f32_kv)
+        self._sched.alloc_graph(g.graph)
+        g.map_inputs()
+        self._prev = g
+        return g
 
     def _forget_ubatch(self, ubatch: Any) -> None:
         """After a failed compute, remove the ubatch's positions from the cache (as llama_decode)."""
@@ -320,6 +349,7 @@ class Context:
             if mctx.get_status() != MemoryStatus.SUCCESS:
                 return False
             self._prev = None          # the update runs on the scheduler: the last graph is gone
+            self._n_threads_set = 0    # and a K-shift sets the CPU backend's threads
             mctx.apply()
             return True
         finally:

@@ -236,9 +236,11 @@ def _cache_inputs(ctx: G.Context, cctx: Any, ubatch: Any, n_kv: int, key: ISWAGr
     v_idxs = cctx.build_input_v_idxs(ctx, ubatch)                              # I64 [n_tokens(*n_embd_v_gqa)]
     G.set_name(k_idxs, "inp_k_idxs" + tag)
     G.set_name(v_idxs, "inp_v_idxs" + tag)
-    mask = G.new_tensor(ctx.ptr, _F32, (n_kv, key.n_tokens // key.n_stream, 1, key.n_stream), "self_kq_mask" + tag)
+    mask = G.new_tensor(ctx.ptr, _F32, (n_kv, key.n_tokens // key.n_stream, 1, key.n_stream))
     G.ggml_set_input(mask)                                                     # [n_kv, n_tps, 1, n_stream]
-    return k_idxs, v_idxs, mask, G.ggml_cast(ctx.ptr, mask, _F16) if flash_attn else mask
+    cast = G.ggml_cast(ctx.ptr, mask, _F16) if flash_attn else mask
+    G.set_name(mask, "self_kq_mask" + tag)  # after the cast, as llama.cpp names it: the cast node is " (copy)"
+    return k_idxs, v_idxs, mask, cast
 
 
 def build_gemma(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any, key: ISWAGraphKey, *,

@@ -39,7 +39,7 @@ class GraphKey(NamedTuple):
 
 @dataclass(slots=True)
 class DecoderGraph:
-    """A built graph and its input / output tensors."""
+    """A built graph, its input / output tensors and, once allocated, numpy views of the small ones."""
 
     key: GraphKey         # what the topology was built for
     graph: G.Graph        # in the caller's context
@@ -51,16 +51,37 @@ class DecoderGraph:
     v_idxs: Any           # I64 [n_tokens] (or [n_tokens*n_embd_v_gqa] with a transposed V) destinations of V
     kq_mask: Any          # F32 [n_kv, n_tokens/n_stream, 1, n_stream]
     logits: Any           # F32 [n_vocab, n_outputs]
-    host: dict[str, np.ndarray] | None = None  # numpy views of the token/embd/pos/out_ids inputs once allocated
+    tokens_h: np.ndarray | None = None   # int32 [n_tokens] host view of tokens (None: none, or not host memory)
+    embd_h: np.ndarray | None = None     # float32 [n_tokens*n_embd] host view of embd
+    pos_h: np.ndarray | None = None      # int32 [n_tokens] host view of pos
+    out_ids_h: np.ndarray | None = None  # int32 [n_outputs] host view of out_ids
+    logits_h: np.ndarray | None = None   # float32 [n_outputs, n_vocab] host view of the logits
+    out_rows: np.ndarray | None = None   # int32 [n_outputs] 0..n_outputs-1: out_ids when every token is an output
 
     def map_inputs(self) -> None:
-        """After the scheduler allocated the graph: numpy views of the small inputs in host memory (None for an
-        input that is not in a host buffer or is empty; set_inputs then copies with ggml_backend_tensor_set)."""
-        self.host = {}
-        for name in ("tokens", "embd", "pos", "out_ids"):
-            t = getattr(self, name)
-            if t is not None and G.nelements(t) and G.data_ptr(t) and G.is_host(t):
-                self.host[name] = G.to_numpy(t).reshape(-1)
+        """After the scheduler allocated the graph (its tensors keep their memory while the graph is reused):
+        numpy views of the token/embd/pos/out_ids inputs and of the logits in host memory (None for a tensor
+        that is absent, empty or not in a host buffer: set_inputs then copies with ggml_backend_tensor_set and
+        read_logits with ggml_backend_tensor_get)."""
+        self.tokens_h, self.embd_h, self.pos_h, self.out_ids_h = (
+            _host_view(t) for t in (self.tokens, self.embd, self.pos, self.out_ids))
+        view = _host_view(self.logits)
+        self.logits_h = None if view is None else view.reshape(self.key.n_outputs, -1)
+        n_out = self.key.n_outputs
+        self.out_rows = np.arange(n_out, dtype=np.int32) if n_out == self.key.n_tokens else None
+
+    def read_logits(self, dst: np.ndarray) -> None:
+        """Copy the logits into ``dst``, float32 C-contiguous [n_outputs, n_vocab] (after the compute)."""
+        if self.logits_h is not None:
+            np.copyto(dst, self.logits_h)
+        else:
+            G.get_into(self.logits, dst)
+
+
+def _host_view(t: Any) -> np.ndarray | None:
+    if t is not None and G.nelements(t) and G.data_ptr(t) and G.is_host(t):
+        return G.to_numpy(t).reshape(-1)
+    return None
 
 
 def graph_capacity(n_layer: int) -> int:
@@ -124,8 +145,9 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
     v_idxs = mctx.build_input_v_idxs(ctx, ubatch)                              # I64 [n_tokens(*n_embd_v_gqa)]
     G.set_name(k_idxs, "inp_k_idxs")
     G.set_name(v_idxs, "inp_v_idxs")
-    kq_mask = _new_input(c, _F32, (key.n_kv, n_tokens // key.n_stream, 1, key.n_stream), "inp_kq_mask")
+    kq_mask = _new_input(c, _F32, (key.n_kv, n_tokens // key.n_stream, 1, key.n_stream), "")
     mask = G.ggml_cast(c, kq_mask, _F16) if flash_attn else kq_mask          # flash attention takes an F16 mask
+    G.set_name(kq_mask, "inp_kq_mask")  # after the cast, as llama.cpp names it: the cast node is " (copy)"
 
     graph = G.Graph(ctx, graph_capacity(hp.n_layer))
     for il in range(hp.n_layer):
@@ -224,19 +246,16 @@ def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash
 def set_inputs(g: DecoderGraph, mctx: Any, ubatch: Any, causal_attn: bool = True) -> None:
     """Fill the graph's inputs for ``ubatch`` (the current ubatch of ``mctx``, applied)."""
     n_tokens = ubatch.n_tokens
-    host = g.host or {}
     if g.tokens is not None:
-        _put(g.tokens, host.get("tokens"), ubatch.token[:n_tokens])
+        _put(g.tokens, g.tokens_h, ubatch.token[:n_tokens])
     else:
-        _put(g.embd, host.get("embd"), ubatch.embd[:n_tokens].reshape(-1))
-    _put(g.pos, host.get("pos"), ubatch.pos[:n_tokens])
-    n_outputs = g.key.n_outputs
-    if n_outputs:
-        if n_outputs == n_tokens:
-            out = np.arange(n_tokens, dtype=np.int32)
-        else:
+        _put(g.embd, g.embd_h, ubatch.embd[:n_tokens].reshape(-1))
+    _put(g.pos, g.pos_h, ubatch.pos[:n_tokens])
+    if g.key.n_outputs:
+        out = g.out_rows
+        if out is None:
             out = np.flatnonzero(ubatch.output[:n_tokens]).astype(np.int32)
-        _put(g.out_ids, host.get("out_ids"), out)
+        _put(g.out_ids, g.out_ids_h, out)
     mctx.set_input_k_idxs(g.k_idxs, ubatch)
     mctx.set_input_v_idxs(g.v_idxs, ubatch)
     mctx.set_input_kq_mask(g.kq_mask, ubatch, causal_attn)

@@ -13,10 +13,17 @@ n_threads, swa_full}, "ops": [...]}`` with ops ``{"op": "decode", "tokens", "pos
 (answer: ``ret`` and ``logits`` base64 float32 rows of the output tokens, batch order), ``seq_rm/seq_cp/seq_keep/
 seq_add/seq_div`` (``args``), ``pos_min/pos_max`` (``seq``), ``clear``, ``state_seq_get`` (``seq``; answer ``blob``
 base64), ``state_seq_set`` (``seq``, ``blob``), ``bench`` (``prompt``, ``n_gen``, ``n_par``, ``reps``; answer
-seconds), ``generate`` (``prompt`` ids, ``n_predict``: llama.cpp's greedy sampler in sequence 0; answer ``tokens``,
-``text`` base64 of llama_detokenize, ``logits`` base64 float32 rows the tokens were sampled from).  With ``"trace": true`` in params every decode answer also has ``nodes``: ``[name, ggml type,
-base64 data]`` of each named, contiguous, non-view node in compute order, from llama.cpp's ``cb_eval`` (compare
-with :class:`~kvcache_ggml.runtime.trace.NodeTrace`).
+seconds, ``decode_s``: the part spent inside ``llama_decode``, and ``cpu_s``: the calling thread's CPU time of the
+steps, which a busy machine skews less), ``generate`` (``prompt`` ids, ``n_predict``: llama.cpp's greedy sampler in
+sequence 0; answer ``tokens``, ``text`` base64 of llama_detokenize, ``logits`` base64 float32 rows the tokens were
+sampled from).  With ``"trace": true`` in params every decode answer also has ``nodes``: ``[name, ggml type, base64
+data]`` of each named, contiguous, non-view node in compute order, from llama.cpp's ``cb_eval`` (compare with
+:class:`~kvcache_ggml.runtime.trace.NodeTrace`); with ``"graph": true`` instead, ``graph``: ``[op, name, ggml type,
+ne, nb]`` of every node the scheduler computes, data left alone (compare with
+:class:`~kvcache_ggml.runtime.trace.NodeList`).
+
+:class:`LlamaSession` keeps one such context in a runner subprocess and answers ops one at a time (a benchmark can
+then alternate its runs with ours).
 """
 from __future__ import annotations
 
@@ -54,6 +61,51 @@ def run_llama(spec: dict, timeout: float = 600) -> list[dict]:
     return out
 
 
+class LlamaSession:
+    """A llama.cpp context in a runner subprocess, answering one op at a time: ``with LlamaSession(model, params)
+    as ls: ls.op({"op": "bench", ...})``.  RuntimeError (with the runner's stderr) if the process dies."""
+
+    def __init__(self, model: str, params: dict) -> None:
+        why = llama_available()
+        if why:
+            raise RuntimeError(why)
+        self._p = subprocess.Popen([str(ORACLE_PY), str(Path(__file__).resolve()), "--session"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._send({"model": model, "params": params})
+
+    def _send(self, obj: dict) -> None:
+        assert self._p.stdin is not None
+        self._p.stdin.write(json.dumps(obj) + "\n")
+        self._p.stdin.flush()
+
+    def op(self, op: dict) -> dict:
+        """Run one op; its answer."""
+        self._send(op)
+        assert self._p.stdout is not None
+        for line in self._p.stdout:
+            if line.startswith("{"):
+                ans = json.loads(line)
+                if "error" in ans and ans.get("op") is None:
+                    raise RuntimeError(f"llama.cpp session: {ans['error']}")
+                return ans
+        rc = self._p.wait()
+        raise RuntimeError(f"llama.cpp session ended ({rc}): {self._p.stderr.read()[-3000:] if self._p.stderr else ''}")
+
+    def close(self) -> None:
+        if self._p.poll() is None:
+            self._p.stdin.close()  # type: ignore[union-attr]
+            self._p.wait(timeout=60)
+        for f in (self._p.stdout, self._p.stderr):
+            if f is not None:
+                f.close()
+
+    def __enter__(self) -> "LlamaSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def b64_floats(data: bytes | str, n_cols: int):
     """float32 [rows, n_cols] from the runner's base64 logits."""
     import numpy as np
@@ -69,9 +121,15 @@ def trace_nodes(answer: dict) -> list:
             for name, t, data in answer.get("nodes", [])]
 
 
-def _node_recorder(L, store: list):  # pragma: no cover - oracle side
-    """A cb_eval that appends [name, type, base64 data] of each named, contiguous, non-view node to ``store``."""
+def _node_recorder(L, store: list, graph: bool = False):  # pragma: no cover - oracle side
+    """A cb_eval that appends [name, type, base64 data] of each named, contiguous, non-view node to ``store``; with
+    ``graph``, [op, name, type, ne, nb] of every node asked about, and no data (nothing is observed)."""
     import ctypes
+
+    class Head(ctypes.Structure):  # the start of struct ggml_tensor
+        _fields_ = [("type", ctypes.c_int32), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                    ("nb", ctypes.c_size_t * 4)]
+
     libdir = os.path.join(os.path.dirname(L.__file__), "lib")
     base = ctypes.CDLL(os.path.join(libdir, "libggml-base.so"))
     for fn, res, args in (("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
@@ -85,6 +143,10 @@ def _node_recorder(L, store: list):  # pragma: no cover - oracle side
 
     def cb(t, ask, user):
         name = base.ggml_get_name(t) or b""
+        if graph:
+            h = Head.from_address(t)
+            store.append([base.ggml_op_desc(t).decode(), name.decode(), h.type, list(h.ne), list(h.nb)])
+            return False
         if ask:
             return (bool(name) and b"(" not in name and not name.startswith((b"leaf_", b"node_"))
                     and base.ggml_op_desc(t) not in views and base.ggml_is_contiguous(t))
@@ -104,7 +166,8 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     import llama_cpp as L
     import numpy as np
 
-    spec = json.loads(sys.stdin.read())
+    session = "--session" in sys.argv[1:]
+    spec = json.loads(sys.stdin.readline() if session else sys.stdin.read())
     if not spec.get("verbose"):
         cb = L.llama_log_callback(lambda level, text, user: None)
         L.llama_log_set(cb, None)
@@ -121,6 +184,7 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     n_seq_max = max(1, pr.get("n_seq_max", 1))
 
     def decode(tokens, pos, seqs, flags):
+        """llama_decode of one batch (its time added to decode.spent); (ret, float32 logits of the outputs)."""
         n = len(tokens)
         b = L.llama_batch_init(n, 0, max(n_seq_max, max(len(s) for s in seqs)))
         try:
@@ -132,7 +196,9 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
                 for j, s in enumerate(seqs[i]):
                     b.seq_id[i][j] = s
                 b.logits[i] = int(flags[i])
+            t0 = time.perf_counter()
             ret = L.llama_decode(ctx, b)
+            decode.spent += time.perf_counter() - t0
         finally:
             L.llama_batch_free(b)
         rows = []
@@ -144,7 +210,9 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
         arr = np.asarray(rows, np.float32).reshape(-1, n_vocab)
         return ret, arr
 
-    for op in spec["ops"]:
+    decode.spent = 0.0
+    ops = (json.loads(line) for line in sys.stdin if line.strip()) if session else spec["ops"]
+    for op in ops:
         kind = op["op"]
         ans: dict = {"op": kind}
         if kind == "decode":
@@ -154,8 +222,8 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
             nodes.clear()
             ret, arr = decode(op["tokens"], op["pos"], seqs, flags)
             ans.update(ret=ret, logits=base64.b64encode(arr.tobytes()).decode(), n_vocab=n_vocab)
-            if pr.get("trace"):
-                ans["nodes"] = list(nodes)
+            if pr.get("trace") or pr.get("graph"):
+                ans["graph" if pr.get("graph") else "nodes"] = list(nodes)
         elif kind in _MEMORY_OPS:
             _memory_op(L, ctx, mem, op, ans)
         elif kind == "bench":
@@ -219,8 +287,8 @@ def _open(L, path: str, pr: dict, nodes: list):  # pragma: no cover - oracle sid
     cp.type_v = _GGML_TYPE[pr.get("type_v", "f16")]
     cp.no_perf = True
     recorder = None
-    if pr.get("trace"):
-        recorder = _node_recorder(L, nodes)  # kept alive by the caller until the context is freed
+    if pr.get("trace") or pr.get("graph"):
+        recorder = _node_recorder(L, nodes, bool(pr.get("graph")))  # kept alive until the context is freed
         cp.cb_eval = recorder
     ctx = L.llama_init_from_model(model, cp)
     if not ctx:
@@ -295,7 +363,7 @@ def _bench(L, ctx, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
     then ``n_gen`` steps of one token per sequence, all output.  Best of ``reps`` for each."""
     prompt = op["prompt"]
     n_par, n_gen, reps = op.get("n_par", 1), op["n_gen"], op.get("reps", 3)
-    best_p = best_g = float("inf")
+    best_p = best_g = best_d = best_c = float("inf")
     for _ in range(reps):
         L.llama_memory_clear(mem, True)
         t0 = time.perf_counter()
@@ -305,13 +373,16 @@ def _bench(L, ctx, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
         for s in range(1, n_par):
             L.llama_memory_seq_cp(mem, 0, s, -1, -1)
         n = len(prompt)
-        t0 = time.perf_counter()
+        t0, d0, c0 = time.perf_counter(), decode.spent, time.thread_time()
         for step in range(n_gen):
             toks = [(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)]
             ret, _ = decode(toks, [n + step] * n_par, [[s] for s in range(n_par)], [1] * n_par)
             assert ret == 0, ret
-        best_g = min(best_g, time.perf_counter() - t0)
-    return {"prompt_s": best_p, "gen_s": best_g}
+        dt = time.perf_counter() - t0
+        best_c = min(best_c, time.thread_time() - c0)
+        if dt < best_g:
+            best_g, best_d = dt, decode.spent - d0
+    return {"prompt_s": best_p, "gen_s": best_g, "decode_s": best_d, "cpu_s": best_c}
 
 
 if __name__ == "__main__":

@@ -227,6 +227,9 @@ class Model:
             for name in pl.names:
                 t = self.tensors[name]
                 _upload(t, reader.data(name, G.nbytes(t)), name)
+            # the weights in huge pages: llama.cpp maps the file, whose page cache the kernel may hold in large
+            # folios; our copies are anonymous memory, in 4 KiB pages unless advised (docs/performance.md)
+            pl.buf.advise_huge_pages()
 
         t = self.tensors
         self.tok_embd = t["token_embd.weight"]

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import _ggml as G
 
-__all__ = ["NodeTrace", "NodeDiff", "first_difference", "node_wanted"]
+__all__ = ["NodeTrace", "NodeList", "NodeDiff", "first_difference", "node_wanted"]
 
 # ops that only re-describe memory: their data is some earlier node's
 _VIEW_OPS = frozenset({G.GGMLOp.VIEW, G.GGMLOp.RESHAPE, G.GGMLOp.PERMUTE, G.GGMLOp.TRANSPOSE})
@@ -45,6 +45,29 @@ class NodeTrace:
         return True
 
     def __enter__(self) -> "NodeTrace":
+        self.ctx.set_eval_callback(self._observe)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ctx.set_eval_callback(None)
+
+
+class NodeList:
+    """``with NodeList(ctx) as nl: ctx.decode(...)``: ``nl.nodes`` lists ``[op, name, ggml type, ne, nb]`` of every
+    node the scheduler computes, in order (views included), without observing any (no data is read, the graph runs
+    in one piece).  llama_runner's ``"graph": true`` lists llama.cpp's the same way, so two graphs can be compared
+    node by node: count, ops, shapes, strides (views and conts), types."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.nodes: list[list[Any]] = []
+
+    def _observe(self, t: Any, ask: bool) -> bool:
+        tt, ne, nb, _, _ = G.header(t)
+        self.nodes.append([G.ggml_op_desc(t).decode(), G.name(t), int(tt), list(ne), list(nb)])
+        return False
+
+    def __enter__(self) -> "NodeList":
         self.ctx.set_eval_callback(self._observe)
         return self
 

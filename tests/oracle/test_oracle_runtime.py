@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvcache_ggml.batch import Batch
-from kvcache_ggml.runtime import Context, DecodeError, Model, make_model
+from kvcache_ggml.runtime import Context, DecodeError, Model, NodeList, make_model
 from kvcache_ggml.runtime.llama_runner import b64_floats, llama_available, run_llama
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 from kvcache_ggml.state import parse_state
@@ -197,3 +197,27 @@ def test_full_cache_returns_1(tiny):
     ours, theirs = run_both(tiny, pr, ops)
     assert theirs[1]["ret"] == ours[1]["ret"] == 1
     compare(ours, theirs, FA_TOL)
+
+
+@pytest.mark.parametrize("n_par", [1, 3])
+@pytest.mark.parametrize("fa,uni", [(True, False), (True, True), (False, False), (False, True)])
+def test_decode_graph_is_llama_cpps_node_by_node(tiny, fa, uni, n_par):
+    """The graph of a prompt and of a one-token-per-sequence step: the same nodes as llama.cpp's scheduler computes
+    (count, op, name, type, ne, nb -- views, permutes and conts included), in the same order."""
+    params = dict(n_ctx=256 * n_par, n_seq_max=n_par, kv_unified=uni, flash_attn=fa, type_k="f16", type_v="f16")
+    ops = [dec(rng_tokens(9, 1), range(9), 0)] + [{"op": "seq_cp", "args": [0, s, -1, -1]} for s in range(1, n_par)]
+    ops.append(dec([5 + s for s in range(n_par)], [9] * n_par, list(range(n_par))))
+    theirs = run_llama({"model": str(tiny), "params": dict(params, n_threads=1, graph=True), "ops": ops})
+    assert "abort" not in theirs[-1], theirs[-1]
+    want = [a["graph"] for a in theirs if a["op"] == "decode"]
+    with Model(tiny) as m, Context(m, n_threads=1, n_threads_batch=1, **params) as ctx:
+        got = []
+        for op in ops:
+            with NodeList(ctx) as nl:
+                apply_ops(ctx, [op])
+            if op["op"] == "decode":
+                got.append(nl.nodes)
+    for g, w in zip(got, want, strict=True):
+        assert len(g) == len(w)
+        for i, (a, b) in enumerate(zip(g, w)):
+            assert a == b, f"node {i}: ours {a}, llama.cpp {b}"
