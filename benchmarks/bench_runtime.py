@@ -11,7 +11,9 @@ Each configuration (sequences x unified / per-sequence streams x flash attention
 the same file, threads, context, cache types and batches: one ``--prompt``-token batch in sequence 0 (last token
 output), seq_cp to the other sequences, then ``--n-gen`` steps of one token per sequence (every token an output).
 Our runs and llama.cpp's alternate (llama.cpp in a :class:`LlamaSession` in the oracle's interpreter), best of
-``--reps`` each, so a busy machine slows both alike.
+``--reps`` each, so a busy machine slows both alike; each side does so in ``--sessions`` fresh sessions (our
+Context, llama.cpp's runner process: one process can run the same steps half again as slow as the next one) and the
+best of all runs counts.
 
 Columns: tokens/s of the decode steps for both and the ratio (ours / llama.cpp, 1.0 = as fast), including building
 each step's batch and taking its logits into numpy on both sides; ``core``: the same ratio for the decode call alone
@@ -134,10 +136,10 @@ def count_calls(ctx: Context, cfg: Config, res: Result, steps: int = 8) -> None:
     res.calls, res.reads = nc.total() / (steps - 1), nc.struct_reads / (steps - 1)
 
 
-def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: bool) -> Result:
-    """Both sides' best runs of one configuration, alternating."""
+def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: bool, res: Result) -> None:
+    """Both sides' best runs of one configuration in one fresh session each (our Context, llama.cpp's runner
+    process), alternating; the best figures are kept in ``res``."""
     prompt = np.random.default_rng(0).integers(3, model.n_vocab, a.prompt).astype(np.int32)
-    res = Result()
     session = None
     if with_llama:
         session = LlamaSession(str(cfg.path), dict(cfg.params(), n_threads=cfg.threads))
@@ -158,7 +160,6 @@ def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: boo
     finally:
         if session is not None:
             session.close()
-    return res
 
 
 def _ratio(o: float, t: float | None) -> str:
@@ -204,9 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)}")
     ap.add_argument("--threads", type=int, default=1, help="threads of the tiny model")
     ap.add_argument("--real-threads", type=int, default=2, help="threads of the real model")
-    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    ap.add_argument("--n-gen", type=int, default=64, help="decode steps (the real model: a quarter)")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    ap.add_argument("--n-gen", type=int, default=192, help="decode steps (the real model: a quarter)")
     ap.add_argument("--reps", type=int, default=5, help="runs of each side per configuration (best kept)")
+    ap.add_argument("--sessions", type=int, default=3,
+                    help="fresh sessions of each side per configuration (a process's speed varies from one to the next)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args(argv)
     G.set_log_level(3)  # warnings and errors only, as llama.cpp's side (not CPU_REPACK's line per tensor)
@@ -221,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
                 for n_par in (int(x) for x in a.n_par.split(",")):
                     for mode in a.modes.split(","):
                         cfg = Config(name, path, n_par, mode, threads, max(1024, 256 * n_par), n_gen)
-                        rows.append((cfg, run_config(m, cfg, a, why is None)))
+                        res = Result()
+                        for _ in range(a.sessions):
+                            run_config(m, cfg, a, why is None, res)
+                        rows.append((cfg, res))
                         print(f"  done: {name} x{n_par} {mode}", flush=True)
             print_tables([r for r in rows if r[0].model == name])
     if why:
