@@ -123,6 +123,24 @@ def test_model_loads_as_gemma_with_an_iswa_memory(gemma):
         assert ctx.kv.get_swa().get_size() == 512 and ctx.kv.get_can_shift()
 
 
+def test_context_shift_refused_when_the_memory_cannot_shift(gemma):
+    """An iSWA memory with a smaller window cache cannot shift (llama.cpp's update would abort): context_shift
+    refuses before touching the cells; with swa_full it shifts."""
+    model, _ = gemma
+    toks = tokens(40, 3)
+    with ctx_of(model) as ctx:
+        run(ctx, toks, 40)
+        assert not ctx.memory_can_shift()
+        before = ctx.state_get_data()
+        with pytest.raises(RuntimeError, match="cannot shift"):
+            ctx.context_shift(0, 4, 10)
+        assert ctx.state_get_data() == before and ctx.memory_seq_pos_max(0) == 39
+    with ctx_of(model, swa_full=True) as ctx:
+        run(ctx, toks, 40)
+        ctx.context_shift(0, 4, 10)
+        assert ctx.memory_seq_pos_max(0) == 29 and ctx.memory_seq_pos_min(0) == 0
+
+
 @pytest.mark.parametrize("fa", [False, True])
 def test_decoding_past_the_swa_cache_matches_the_reference(gemma, fa):
     model, ref = gemma

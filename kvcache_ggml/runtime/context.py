@@ -410,6 +410,9 @@ class Context:
         the later ones back by n_discard (the K-shift runs at the next decode)."""
         if n_keep < 0 or n_discard < 1:
             raise ValueError(f"context_shift needs n_keep >= 0 and n_discard >= 1, got {n_keep}, {n_discard}")
+        if not self.memory_can_shift():  # llama.cpp's callers ask llama_memory_can_shift first; its update aborts
+            raise RuntimeError("context_shift: this memory cannot shift positions (an iSWA cache whose sliding-"
+                               "window part is smaller than the whole cache: use swa_full)")
         n_past = self.memory_seq_pos_max(seq_id) + 1
         if n_keep + n_discard > n_past:
             raise ValueError(f"n_keep + n_discard = {n_keep + n_discard} exceeds the {n_past} positions of "
