@@ -62,6 +62,9 @@ class KVBookkeeping:
         dbg = os.environ.get("LLAMA_KV_CACHE_DEBUG")
         self.debug = int(dbg) if dbg and dbg.lstrip("-").isdigit() else 0  # the seed's debug level
         self.fast = True  # decode fast paths on (the equivalence tests turn them off to compare)
+        # read-only 0..kv_size-1: the one-cell slot of a decode step is a view of it (cheaper than a new array)
+        self._cell_ids = np.arange(self.kv_size, dtype=np.int64)
+        self._cell_ids.flags.writeable = False
 
     # ================================================================== memory API
 
@@ -314,10 +317,20 @@ class KVBookkeeping:
         # the first token of each stream's run: its sequence ids must be exactly that stream's sequence
         firsts, counts = ubatch.seq_id[::n_tokens, 0].tolist(), ubatch.n_seq_id[::n_tokens].tolist()
         strms, idxs = [], []
+        stream_of, v_cells, v_heads, size = self.stream_of, self.v_cells, self.v_heads, self.kv_size
+        ids = self._cell_ids
         for s, seq_id in enumerate(seqs):
             if counts[s] != 1 or firsts[s] != seq_id:
                 raise RuntimeError(f"token {s * n_tokens} of the ubatch must belong to sequence {seq_id} alone")
-            strm = self.stream_of[seq_id]
+            strm = stream_of[seq_id]
+            if n_tokens == 1 and not cont:  # the decode step: _slot_in's free-head shortcut, inline
+                cells, h = v_cells[strm], v_heads[strm]
+                if h > cells.get_used() + 2:
+                    h = 0
+                if h < size and cells.pos_array.item(h) < 0:
+                    strms.append(strm)
+                    idxs.append(ids[h:h + 1])
+                    continue
             idx = self._slot_in(strm, n_tokens, cont)
             if idx is None:
                 return SlotInfo()
@@ -335,7 +348,7 @@ class KVBookkeeping:
             log.error("find_slot: n_tokens = %d > size = %d", n_tokens, self.kv_size)
             return None
         if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_array.item(head_cur) < 0:
-            return np.array([head_cur], np.int64)  # the decode step: the head cell is free (empty is always usable)
+            return self._cell_ids[head_cur:head_cur + 1]  # the decode step: the head cell is free (always usable)
         return (self._scan_cont if cont else self._scan)(cells, head_cur, n_tokens)
 
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:

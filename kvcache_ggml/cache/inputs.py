@@ -133,7 +133,7 @@ class KVInputs:
         if n_tokens == 1:  # the decode step of one sequence
             out[0] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size
         else:
-            np.copyto(out, self._token_cells(sinfo))
+            out[...] = self._token_cells(sinfo)
 
     def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens] (V rows), or with a transposed V one row per element:
@@ -143,7 +143,7 @@ class KVInputs:
             self._slot_mismatch(ubatch, sinfo)
         if not self.v_trans:
             out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
-            np.copyto(out, self._token_cells(sinfo))
+            out[...] = self._token_cells(sinfo)
             return
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]

@@ -73,7 +73,7 @@ class DecoderGraph:
     def read_logits(self, dst: np.ndarray) -> None:
         """Copy the logits into ``dst``, float32 C-contiguous [n_outputs, n_vocab] (after the compute)."""
         if self.logits_h is not None:
-            np.copyto(dst, self.logits_h)
+            dst[...] = self.logits_h  # (a slice assignment: no np.copyto dispatch)
         else:
             G.get_into(self.logits, dst)
 
