@@ -197,7 +197,10 @@ class KVBookkeeping:
         return self.n_stream
 
     def get_has_shift(self) -> bool:
-        return any(c.get_has_shift() for c in self.v_cells)
+        for c in self.v_cells:  # (a loop: no generator to make every step)
+            if c.get_has_shift():
+                return True
+        return False
 
     def get_can_shift(self) -> bool:
         return True
@@ -210,7 +213,8 @@ class KVBookkeeping:
         if len(strm) == 1:
             used = self.v_cells[strm[0]].used_max_p1()
         else:
-            used = max(self.v_cells[s].used_max_p1() for s in strm) if strm else 0
+            v_cells = self.v_cells
+            used = max([v_cells[s].used_max_p1() for s in strm]) if strm else 0
         padded = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)  # GGML_PAD: a true multiple for powers of two
         return min(self.kv_size, max(n_pad_cur, padded)) if strm else 0
 

@@ -152,7 +152,7 @@ class KVInputs:
             np.add(elem, sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd, out=out)
             return
         out = self._host(dst, _I64, (n_tokens * n_embd, 1, 1, 1), (n_tokens, n_embd))
-        base = self._token_cells(sinfo, stream_stride=self.kv_size * n_embd)  # [n_tokens]
+        base = np.asarray(self._token_cells(sinfo, stream_stride=self.kv_size * n_embd), np.int64)  # [n_tokens]
         np.add(base[:, None], elem, out=out)
 
     def set_input_k_shift(self, dst: Any) -> None:
@@ -235,13 +235,14 @@ class KVInputs:
         raise RuntimeError(f"ubatch of {ubatch.n_tokens} tokens does not match its slot of "
                            f"{sinfo.n_stream()} streams x {size} cells")
 
-    def _token_cells(self, sinfo: SlotInfo, stream_stride: int | None = None) -> np.ndarray:
-        """int64 [n_tokens]: ``strm*stream_stride + cell`` of each token (stride kv_size by default)."""
+    def _token_cells(self, sinfo: SlotInfo, stream_stride: int | None = None) -> np.ndarray | list[int]:
+        """int64 [n_tokens]: ``strm*stream_stride + cell`` of each token (stride kv_size by default); a list of ints
+        for one token per stream."""
         stride = self.kv_size if stream_stride is None else stream_stride
         if len(sinfo.idxs) == 1:
             return sinfo.idxs[0] + sinfo.strm[0] * stride if sinfo.strm[0] else sinfo.idxs[0]
-        if len(sinfo.idxs[0]) == 1:  # one token per stream (the decode step): Python ints
-            return np.array([idx.item(0) + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)], np.int64)
+        if len(sinfo.idxs[0]) == 1:  # one token per stream (the decode step): Python ints (numpy converts on write)
+            return [idx.item(0) + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)]
         cells = np.concatenate(sinfo.idxs)
         cells += np.repeat(np.multiply(sinfo.strm, stride, dtype=np.int64), len(sinfo.idxs[0]))
         return cells

@@ -278,7 +278,11 @@ class Context:
 
     def _set_outputs(self, logits: np.ndarray, n_tokens_all: int) -> None:
         """``self.logits`` in batch order and ``self.output_ids`` from the rows in split order."""
-        out_ids = self.balloc.get_out_ids()                  # batch index of each row, in split order
+        balloc = self.balloc
+        if balloc.out_ids_in_order():  # the decode step whose every token is an output: rows in batch order
+            self.logits, self.output_ids = logits, self._iota[:n_tokens_all]
+            return
+        out_ids = balloc.get_out_ids()                       # batch index of each row, in split order
         n = len(out_ids)
         iota = self._iota[:n]
         # every token an output, rows in batch order (bytes compared: a few times cheaper than array_equal)
