@@ -321,21 +321,12 @@ class KVBookkeeping:
         # the first token of each stream's run: its sequence ids must be exactly that stream's sequence
         firsts, counts = ubatch.seq_id[::n_tokens, 0].tolist(), ubatch.n_seq_id[::n_tokens].tolist()
         strms, idxs = [], []
-        stream_of, v_cells, v_heads, size = self.stream_of, self.v_cells, self.v_heads, self.kv_size
-        ids = self._cell_ids
+        stream_of, slot_in = self.stream_of, self._slot_in
         for s, seq_id in enumerate(seqs):
             if counts[s] != 1 or firsts[s] != seq_id:
                 raise RuntimeError(f"token {s * n_tokens} of the ubatch must belong to sequence {seq_id} alone")
             strm = stream_of[seq_id]
-            if n_tokens == 1 and not cont:  # the decode step: _slot_in's free-head shortcut, inline
-                cells, h = v_cells[strm], v_heads[strm]
-                if h > cells.get_used() + 2:
-                    h = 0
-                if h < size and cells.pos_array.item(h) < 0:
-                    strms.append(strm)
-                    idxs.append(ids[h:h + 1])
-                    continue
-            idx = self._slot_in(strm, n_tokens, cont)
+            idx = slot_in(strm, n_tokens, cont)
             if idx is None:
                 return SlotInfo()
             strms.append(strm)

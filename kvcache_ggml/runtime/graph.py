@@ -57,6 +57,7 @@ class DecoderGraph:
     out_ids_h: np.ndarray | None = None  # int32 [n_outputs] host view of out_ids
     logits_h: np.ndarray | None = None   # float32 [n_outputs, n_vocab] host view of the logits
     out_rows: np.ndarray | None = None   # int32 [n_outputs] 0..n_outputs-1: out_ids when every token is an output
+    kv_views: tuple | None = None        # the memory context's input_views of k_idxs, v_idxs, kq_mask (first fill)
 
     def map_inputs(self) -> None:
         """After the scheduler allocated the graph (its tensors keep their memory while the graph is reused):
@@ -256,9 +257,10 @@ def set_inputs(g: DecoderGraph, mctx: Any, ubatch: Any, causal_attn: bool = True
         if out is None:
             out = np.flatnonzero(ubatch.output[:n_tokens]).astype(np.int32)
         _put(g.out_ids, g.out_ids_h, out)
-    mctx.set_input_k_idxs(g.k_idxs, ubatch)
-    mctx.set_input_v_idxs(g.v_idxs, ubatch)
-    mctx.set_input_kq_mask(g.kq_mask, ubatch, causal_attn)
+    views = g.kv_views
+    if views is None:  # checked once per graph: its tensors keep their memory while it is computed again
+        views = g.kv_views = mctx.input_views(g.k_idxs, g.v_idxs, g.kq_mask, n_tokens)
+    mctx.fill_inputs(views, ubatch, causal_attn)
 
 
 def _put(t: Any, view: np.ndarray | None, data: np.ndarray) -> None:
