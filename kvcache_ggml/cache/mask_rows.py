@@ -64,16 +64,19 @@ class _Block:
         self.tick += 1
         log = self.log
         seen = self.seen
-        n_ones, n_seq, n_arrays = len(log.one_cells), len(log.seq_changes), len(log.arrays)
-        if log.epoch != self.epoch:
-            self.epoch = log.epoch
-            self.clear(n_kv)
-        elif n_seq == seen[1] and n_arrays == seen[2]:  # single cells only (the decode step), or nothing
-            if n_ones > seen[0] and self.seqs:
-                self._patch_ones(log.one_cells, log.one_seqs, seen[0], n_ones)
-        elif self.seqs and not self._patch(log):
-            self.clear(n_kv)
-        self.seen = (n_ones, n_seq, n_arrays)
+        n_ones = len(log.one_cells)
+        if log.epoch == self.epoch and len(log.seq_changes) == seen[1] and len(log.arrays) == seen[2]:
+            if n_ones > seen[0]:  # single cells only (the decode step)
+                if self.seqs:
+                    self._patch_ones(log.one_cells, log.one_seqs, seen[0], n_ones)
+                self.seen = (n_ones, seen[1], seen[2])
+        else:
+            if log.epoch != self.epoch:
+                self.epoch = log.epoch
+                self.clear(n_kv)
+            elif self.seqs and not self._patch(log):
+                self.clear(n_kv)
+            self.seen = (n_ones, len(log.seq_changes), len(log.arrays))
         if n_kv > self.n_valid:
             if self.seqs:
                 self._fill(slice(self.n_valid, n_kv))
@@ -81,14 +84,14 @@ class _Block:
 
     def _patch_ones(self, cells: list[int], seqs: list[int], a: int, b: int) -> None:
         """Recompute entries [a, b) of the single-cell changes: each in its sequence's row only."""
-        bits, rows, neg, n, row_of = self.cells.seq_bits, self.rows, self.neg, self.n_valid, self.row_of
+        row_of = self.row_of
         for k in range(a, b):
             s = seqs[k]
             r = row_of.get(s)
             if r is not None:
                 i = cells[k]
-                if i < n:
-                    rows[r, i] = 0 if bits.item(s >> 6, i) >> (s & 63) & 1 else neg
+                if i < self.n_valid:
+                    self.rows[r, i] = 0 if self.cells.seq_bits.item(s >> 6, i) >> (s & 63) & 1 else self.neg
 
     def _patch(self, log: ChangeLog) -> bool:
         """Recompute what the entries logged since ``seen`` changed: a single (cell, sequence) change touches that

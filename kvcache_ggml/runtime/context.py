@@ -214,7 +214,9 @@ class Context:
 
         Raises :class:`DecodeError` where llama_decode returns non-zero (``code`` is that value).
         """
-        kv, tm, balloc = self._kv(), self.times, self.balloc
+        kv, tm, balloc = self.kv, self.times, self.balloc
+        if kv is None:
+            raise ValueError("the context is closed")
         t0 = _perf()
         try:
             balloc.init(batch, self.n_vocab, kv, self._n_embd, self._balloc_seq_max, False)
