@@ -267,6 +267,13 @@ class KVBookkeeping:
         ``apply_ubatch`` makes to keep sequences contiguous is not rolled back, and each head is restored from
         the saved head of the same *index* in the slot (``v_heads[strm[s]] = old[s]``).
         """
+        if len(ubatches) == 1 and self.no_swa:  # the decode step: one ubatch, on empty cells -- nothing to place
+            sinfo = self.find_slot(ubatches[0], False)
+            if not sinfo.idxs:
+                return []
+            if sinfo.strm[0] != 0 or sinfo.strm[-1] != len(sinfo.strm) - 1:  # (streams 0, 1, ...: no-op)
+                self._restore_heads(sinfo, list(self.v_heads))
+            return [sinfo]
         res: list[SlotInfo] = []
         states = []
         success = True
