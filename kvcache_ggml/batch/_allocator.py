@@ -435,8 +435,8 @@ class BatchAllocator(BatchSplitter):
     def out_ids_in_order(self) -> bool:
         """True when :meth:`get_out_ids` is 0..n_tokens-1 and every token is used: the decode step's one split of
         a batch whose every token is an output (False does not mean they are not; get_out_ids tells)."""
-        o = self._out_ids
-        return len(o) == 1 and o[0].base is _TOKEN_IDS and o[0].shape[0] == self._n == self._n_used
+        o = self._out_ids  # (only the decode split records a view of _TOKEN_IDS: all n tokens, all used)
+        return len(o) == 1 and o[0].base is _TOKEN_IDS
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of sequence ``seq_id`` in the batch, -1 if absent."""

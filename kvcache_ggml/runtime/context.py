@@ -244,7 +244,8 @@ class Context:
                 n_outputs = ubatch.n_tokens
             else:
                 n_outputs = int(np.count_nonzero(ubatch.output[:ubatch.n_tokens]))
-            self._process_ubatch(mctx, ubatch, n_outputs, logits[row:row + n_outputs])
+            self._process_ubatch(mctx, ubatch, n_outputs,
+                                 logits if n_outputs == n_outputs_all else logits[row:row + n_outputs])
             row += n_outputs
             if not mctx.next():
                 break
