@@ -216,7 +216,7 @@ class KVInputs:
         plain = self._plain and not ubatch.is_pos_2d()  # no window, ALiBi or 2-D positions
         if plain and self.fast:  # ready rows (the decode step), unless a token needs its positions tested
             if n_tokens == 1:
-                if self.mask_rows.write_one(rows[0], ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
+                if self.mask_rows.write_one(rows, ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
                     return
             elif n_tokens <= LLAMA_MAX_SEQ and self.mask_rows.write(
                     rows, ubatch.seq_id[:, 0].tolist(), ubatch.pos[:n_tokens].tolist(), bool(causal_attn)):

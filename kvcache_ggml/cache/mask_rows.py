@@ -201,20 +201,20 @@ class MaskRows:
         self.budget = budget                              # bytes per block
         self._blocks: dict[tuple[int, np.dtype], _Block] = {}  # (stream, mask type) -> rows
 
-    def write_one(self, row: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
-        """Fill the mask row ``row`` [n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
+    def write_one(self, rows: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
+        """Fill the mask ``rows`` [1, n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
         strm = self.book.stream_of[seq_id]
         lo, hi = self.book.v_cells[strm].seq_pos_bounds(seq_id)
         if lo < 0 or (causal and hi > p1):  # (lo -1: no cell, or a cell at -1)
             return False
-        n_kv = row.shape[0]
-        block = self._block(strm, row.dtype, n_kv)
+        n_kv = rows.shape[1]
+        block = self._block(strm, rows.dtype, n_kv)
         r = block.row_of.get(seq_id)
         if r is None:
             r = block.row(seq_id)  # (never None: the least recently used row served an earlier write)
         else:
             block.used[r] = block.tick
-        row[...] = block.frows[r, :n_kv]  # (a slice assignment: half the cost of np.copyto's dispatch)
+        rows[0] = block.frows[r, :n_kv]  # (an item assignment: half the cost of np.copyto's dispatch)
         return True
 
     def write(self, rows: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:

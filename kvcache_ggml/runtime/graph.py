@@ -248,10 +248,10 @@ def set_inputs(g: DecoderGraph, mctx: Any, ubatch: Any, causal_attn: bool = True
     """Fill the graph's inputs for ``ubatch`` (the current ubatch of ``mctx``, applied)."""
     n_tokens = ubatch.n_tokens
     if g.tokens is not None:
-        _put(g.tokens, g.tokens_h, ubatch.token[:n_tokens])
+        _put(g.tokens, g.tokens_h, ubatch.token)                                # [n_tokens]
     else:
-        _put(g.embd, g.embd_h, ubatch.embd[:n_tokens].reshape(-1))
-    _put(g.pos, g.pos_h, ubatch.pos[:n_tokens])
+        _put(g.embd, g.embd_h, ubatch.embd.reshape(-1))                          # [n_tokens*n_embd]
+    _put(g.pos, g.pos_h, ubatch.pos if ubatch.n_pos == 1 else ubatch.pos[:n_tokens])
     if g.key.n_outputs:
         out = g.out_rows
         if out is None:
