@@ -145,7 +145,10 @@ class KVCacheContext:
         of its graph's tensors."""
         inputs, sinfo = self.kv.inputs, self.sinfos[self.i_cur]
         inputs.fill_k_idxs(views[0], ubatch, sinfo)
-        inputs.fill_v_idxs(views[1], ubatch, sinfo)
+        if inputs.v_trans:
+            inputs.fill_v_idxs(views[1], ubatch, sinfo)
+        else:  # V rows are the K rows (the same cells, the same stream stride)
+            views[1][...] = views[0]
         inputs.fill_kq_mask(views[2], ubatch, causal_attn)
 
     # ------------------------------------------------------------------ numpy conveniences
