@@ -412,8 +412,9 @@ class KVBookkeeping:
                 self.v_heads[st] = idx.item(-1) + 1
             return True
         cells = [idx.item(0) for idx in sinfo.idxs]
-        if any(v_cells[st].pos_array.item(i) >= 0 for st, i in zip(sinfo.strm, cells)):
-            return False
+        for st, c in zip(sinfo.strm, cells):  # (a loop: no generator to make every step)
+            if v_cells[st].pos_array.item(c) >= 0:
+                return False
         if ubatch.seq_id.shape[1] != 1:  # coupled sequences
             for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
                 v_cells[st].place(idx, ubatch.pos[s:s + 1], ubatch.seq_id[s:s + 1])

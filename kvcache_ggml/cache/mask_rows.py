@@ -252,12 +252,17 @@ class MaskRows:
                 return False
         n_kv = out.shape[1]
         ftype = out.dtype
-        synced = {}
+        synced, blocks = {}, self._blocks
         for i, s in enumerate(seq_ids):
             st = stream_of[s]
             block = synced.get(st)
             if block is None:
-                block = synced[st] = self._block(st, ftype, n_kv)
+                block = blocks.get((st, ftype))  # (_block, inline: every token of the step comes here)
+                if block is None or block.cells is not v_cells[st]:
+                    block = self._block(st, ftype, n_kv)
+                else:
+                    block.sync(n_kv)
+                synced[st] = block
             r = block.row_of.get(s)
             if r is None:
                 r = block.row(s)
