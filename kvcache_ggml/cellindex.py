@@ -298,6 +298,14 @@ class ChangeLog:
         if len(cells) > self.max_entries:
             self.drop()
 
+    def add_ones(self, cells: list[int], seq_ids: list[int]) -> None:
+        """:meth:`add_one` of each pair (cells[k], seq_ids[k]): a few cells, each its own sequence."""
+        one_cells = self.one_cells
+        one_cells += cells
+        self.one_seqs += seq_ids
+        if len(one_cells) > self.max_entries:
+            self.drop()
+
     def add_seq(self, idxs: np.ndarray, seq_ids: int | np.ndarray) -> None:
         """The cells ``idxs`` (int64) gained or lost sequence ``seq_ids`` (or each its own, int32 array), and
         nothing else changed in them."""

@@ -465,7 +465,7 @@ class KVCells(OneCellAPI):
             else:
                 self._ms(s).inc(p)
             newest[s] = i
-        self._log.add_seq(idxs, col if not col.flags.writeable else col.copy())
+        self._log.add_ones(il, cl)  # (single-cell entries: the kq mask rows patch them with scalar Python)
 
     def place_one(self, i: int, p: int, s: int) -> None:
         """place() of one cell ``i``, position ``p``, sequence ``s`` with scalar Python (the decode step)."""

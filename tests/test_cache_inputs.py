@@ -376,6 +376,41 @@ def test_k_v_idxs_match_seed_loops(v_trans, unified):
     assert n_checked[0] >= 15
 
 
+@pytest.mark.parametrize("v_trans", [True, False])
+@pytest.mark.parametrize("unified", [True, False])
+def test_input_views_filled_again_match_set_input(v_trans, unified):
+    """The runtime's path: input_views of a graph's three tensors, checked once, then fill_inputs for every later
+    ubatch of the same shape writes what set_input_* writes into fresh tensors."""
+    kv = make(kv_size=24, n_seq_max=3, unified=unified, v_trans=v_trans)
+    rng = np.random.default_rng(11 + v_trans + 2 * unified)
+    graphs = {}  # (n_tokens, n_kv, n_stream) -> (tensors, views): one "graph" per shape, reused
+    n_reused = [0]
+
+    def check(ctx):
+        ub, n_kv, ns = ctx.get_ubatch(), ctx.get_n_kv(), ctx.get_sinfo().n_stream()
+        key = (ub.n_tokens, n_kv, ns)
+        if key in graphs:
+            n_reused[0] += 1
+        else:
+            n_v = ub.n_tokens * (kv.hparams.n_embd_v_gqa_max() if v_trans else 1)
+            hts = (idx_tensor(ub.n_tokens), idx_tensor(n_v), HostTensor("f32", (n_kv, ub.n_tokens // ns, 1, ns)))
+            graphs[key] = (hts, ctx.input_views(hts[0].t, hts[1].t, hts[2].t, ub.n_tokens))
+        hts, views = graphs[key]
+        hts[2].array()[...] = 7  # every element is written
+        ctx.fill_inputs(views, ub, True)
+        np.testing.assert_array_equal(hts[0].array().reshape(-1), ctx.k_idxs())
+        np.testing.assert_array_equal(hts[1].array().reshape(-1), ctx.v_idxs())
+        assert same_bits(hts[2].array()[:, 0], ctx.kq_mask())
+
+    try:
+        random_session(rng, kv, 60, check)
+    finally:
+        for hts, _ in graphs.values():
+            for ht in hts:
+                ht.close()
+    assert n_reused[0] >= 10
+
+
 def test_k_shift_values():
     kv = make(kv_size=16, n_seq_max=2, unified=False)
     decode(kv, [0, 1, 2, 3, 0, 1, 2, 3], [0, 0, 0, 0, 1, 1, 1, 1])

@@ -192,6 +192,8 @@ class FastGeneralMachine(RuleBasedStateMachine):
                 break
         self.ctxs = (ca, cb)
         same_value(fa.get_out_ids(), ga.get_out_ids(), "out_ids")
+        if fa.out_ids_in_order():  # (the runtime then skips get_out_ids)
+            assert ga.get_out_ids().tolist() == list(range(ga.get_n_tokens()))
 
     @precondition(lambda self: self.ctxs is not None)
     @rule()
@@ -354,6 +356,12 @@ def test_decode_step_takes_the_fast_paths(unified):
     ba.init(Batch(token=np.full(4, 3, np.int32), seq_id=np.arange(4, dtype=np.int32)), N_VOCAB, kv, 16, 4, False)
     ctx = kv.init_batch(ba, 512)
     assert ba._grp is None and ba._gorder is None  # committed by init_decode, split without groups
+    assert ba.get_out_ids().tolist() == [3] and not ba.out_ids_in_order()  # only the last token is an output
+    every = BatchAllocator(1)
+    every.init(Batch(token=np.full(4, 3, np.int32), pos=np.full(4, 5, np.int32), seq_id=np.arange(4, dtype=np.int32),
+                     logits=np.ones(4, np.int8)), N_VOCAB, kv, 16, 4, False)
+    kv.book.split(every, 512)
+    assert every.out_ids_in_order() and every.get_out_ids().tolist() == [0, 1, 2, 3]
     ctx.apply()
     ub = ctx.get_ubatch()
     assert not ub.seq_id.flags.writeable and not ub.seq_idx.flags.writeable  # the shared per-set arrays

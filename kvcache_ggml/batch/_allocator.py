@@ -19,7 +19,7 @@ from .._consts import LLAMA_MAX_SEQ
 from ._decode import init_decode
 from ._input import Batch, _filled
 from ._split import BatchSplitter, seq_groups
-from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, UBatch, _atoi, _distinct,
+from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, _TOKEN_IDS, UBatch, _atoi, _distinct,
                       _present_seqs, _print_ubatch, _seq_pos_stats)
 
 logger = logging.getLogger("kvcache_ggml.batch")
@@ -431,6 +431,12 @@ class BatchAllocator(BatchSplitter):
         if not self._out_ids:
             return np.zeros(0, np.int32)
         return np.concatenate(self._out_ids).astype(np.int32)
+
+    def out_ids_in_order(self) -> bool:
+        """True when :meth:`get_out_ids` is 0..n_tokens-1 and every token is used: the decode step's one split of
+        a batch whose every token is an output (False does not mean they are not; get_out_ids tells)."""
+        o = self._out_ids  # (only the decode split records a view of _TOKEN_IDS: all n tokens, all used)
+        return len(o) == 1 and o[0].base is _TOKEN_IDS
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Smallest position of sequence ``seq_id`` in the batch, -1 if absent."""

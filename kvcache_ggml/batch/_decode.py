@@ -52,7 +52,7 @@ def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPosi
         s, n_seq_id = seq2d.item(0), batch.n_seq_id
         if not 0 <= s < n_seq_max:
             return False
-    m = -1 if memory is None else int(memory.seq_pos_max(s))
+    m = -1 if memory is None else memory.seq_pos_max(s)
     pos_all = batch.pos
     if pos_all is None:
         p = m + 1
@@ -62,7 +62,7 @@ def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPosi
     else:
         if pos_all.shape[0] != 1:
             return False
-        pos0, p = pos_all[:1], pos_all.item(0)
+        pos0, p = pos_all, pos_all.item(0)  # (shape (1,): the whole array)
     if p < -1 or (m >= 0 and p != m + 1):  # (the general path's errors)
         return False
     output = batch.logits

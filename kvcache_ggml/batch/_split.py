@@ -96,7 +96,7 @@ class BatchSplitter:
             self._require_batch("split_simple")
         if type(n_ubatch) is not int or n_ubatch < 0:
             n_ubatch = self._check_n_ubatch(n_ubatch)
-        h = self._first_unused()
+        h = self._first_unused() if self._n_used else 0
         if h >= self._n:
             return _empty_ubatch()
         # as llama.cpp: the run after the first unused token is taken whole (always at least one token)

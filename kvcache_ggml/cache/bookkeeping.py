@@ -62,6 +62,9 @@ class KVBookkeeping:
         dbg = os.environ.get("LLAMA_KV_CACHE_DEBUG")
         self.debug = int(dbg) if dbg and dbg.lstrip("-").isdigit() else 0  # the seed's debug level
         self.fast = True  # decode fast paths on (the equivalence tests turn them off to compare)
+        # read-only 0..kv_size-1: the one-cell slot of a decode step is a view of it (cheaper than a new array)
+        self._cell_ids = np.arange(self.kv_size, dtype=np.int64)
+        self._cell_ids.flags.writeable = False
 
     # ================================================================== memory API
 
@@ -194,7 +197,10 @@ class KVBookkeeping:
         return self.n_stream
 
     def get_has_shift(self) -> bool:
-        return any(c.get_has_shift() for c in self.v_cells)
+        for c in self.v_cells:  # (a loop: no generator to make every step)
+            if c.get_has_shift():
+                return True
+        return False
 
     def get_can_shift(self) -> bool:
         return True
@@ -207,7 +213,8 @@ class KVBookkeeping:
         if len(strm) == 1:
             used = self.v_cells[strm[0]].used_max_p1()
         else:
-            used = max(self.v_cells[s].used_max_p1() for s in strm) if strm else 0
+            v_cells = self.v_cells
+            used = max([v_cells[s].used_max_p1() for s in strm]) if strm else 0
         padded = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)  # GGML_PAD: a true multiple for powers of two
         return min(self.kv_size, max(n_pad_cur, padded)) if strm else 0
 
@@ -260,6 +267,13 @@ class KVBookkeeping:
         ``apply_ubatch`` makes to keep sequences contiguous is not rolled back, and each head is restored from
         the saved head of the same *index* in the slot (``v_heads[strm[s]] = old[s]``).
         """
+        if len(ubatches) == 1 and self.no_swa:  # the decode step: one ubatch, on empty cells -- nothing to place
+            sinfo = self.find_slot(ubatches[0], False)
+            if not sinfo.idxs:
+                return []
+            if sinfo.strm[0] != 0 or sinfo.strm[-1] != len(sinfo.strm) - 1:  # (streams 0, 1, ...: no-op)
+                self._restore_heads(sinfo, list(self.v_heads))
+            return [sinfo]
         res: list[SlotInfo] = []
         states = []
         success = True
@@ -314,11 +328,12 @@ class KVBookkeeping:
         # the first token of each stream's run: its sequence ids must be exactly that stream's sequence
         firsts, counts = ubatch.seq_id[::n_tokens, 0].tolist(), ubatch.n_seq_id[::n_tokens].tolist()
         strms, idxs = [], []
+        stream_of, slot_in = self.stream_of, self._slot_in
         for s, seq_id in enumerate(seqs):
             if counts[s] != 1 or firsts[s] != seq_id:
                 raise RuntimeError(f"token {s * n_tokens} of the ubatch must belong to sequence {seq_id} alone")
-            strm = self.stream_of[seq_id]
-            idx = self._slot_in(strm, n_tokens, cont)
+            strm = stream_of[seq_id]
+            idx = slot_in(strm, n_tokens, cont)
             if idx is None:
                 return SlotInfo()
             strms.append(strm)
@@ -335,7 +350,7 @@ class KVBookkeeping:
             log.error("find_slot: n_tokens = %d > size = %d", n_tokens, self.kv_size)
             return None
         if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_array.item(head_cur) < 0:
-            return np.array([head_cur], np.int64)  # the decode step: the head cell is free (empty is always usable)
+            return self._cell_ids[head_cur:head_cur + 1]  # the decode step: the head cell is free (always usable)
         return (self._scan_cont if cont else self._scan)(cells, head_cur, n_tokens)
 
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
@@ -397,8 +412,9 @@ class KVBookkeeping:
                 self.v_heads[st] = idx.item(-1) + 1
             return True
         cells = [idx.item(0) for idx in sinfo.idxs]
-        if any(v_cells[st].pos_array.item(i) >= 0 for st, i in zip(sinfo.strm, cells)):
-            return False
+        for st, c in zip(sinfo.strm, cells):  # (a loop: no generator to make every step)
+            if v_cells[st].pos_array.item(c) >= 0:
+                return False
         if ubatch.seq_id.shape[1] != 1:  # coupled sequences
             for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
                 v_cells[st].place(idx, ubatch.pos[s:s + 1], ubatch.seq_id[s:s + 1])

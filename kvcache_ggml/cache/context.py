@@ -132,6 +132,25 @@ class KVCacheContext:
     def set_input_pos_bucket(self, dst: Any, ubatch: UBatch) -> None:
         self.kv.inputs.set_input_pos_bucket(dst, ubatch)
 
+    def input_views(self, k_idxs: Any, v_idxs: Any, kq_mask: Any, n_tokens: int) -> tuple[Any, Any, Any]:
+        """The data of a graph's k_idxs, v_idxs and kq mask inputs for ubatches of ``n_tokens``, checked as
+        set_input_* checks them: a runtime that computes the same graph again (its tensors keep their memory)
+        fills them every step with :meth:`fill_inputs`, without reading the tensors again."""
+        inputs = self.kv.inputs
+        return (inputs.k_idxs_view(k_idxs, n_tokens), inputs.v_idxs_view(v_idxs, n_tokens),
+                inputs.kq_mask_view(kq_mask, n_tokens))
+
+    def fill_inputs(self, views: tuple[Any, Any, Any], ubatch: UBatch, causal_attn: bool = True) -> None:
+        """set_input_k_idxs, set_input_v_idxs and set_input_kq_mask of the current ubatch into :meth:`input_views`
+        of its graph's tensors."""
+        inputs, sinfo = self.kv.inputs, self.sinfos[self.i_cur]
+        inputs.fill_k_idxs(views[0], ubatch, sinfo)
+        if inputs.v_trans:
+            inputs.fill_v_idxs(views[1], ubatch, sinfo)
+        else:  # V rows are the K rows (the same cells, the same stream stride)
+            views[1][...] = views[0]
+        inputs.fill_kq_mask(views[2], ubatch, causal_attn)
+
     # ------------------------------------------------------------------ numpy conveniences
 
     def kq_mask(self, causal: bool = True, type_: str | int = "f32") -> np.ndarray:

@@ -126,34 +126,53 @@ class KVInputs:
 
     def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
+        self._check_slot(ubatch, sinfo)
+        self.fill_k_idxs(self.k_idxs_view(dst, ubatch.n_tokens), ubatch, sinfo)
+
+    def k_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
+        """The data of the k_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens]."""
+        return self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
+
+    def fill_k_idxs(self, out: np.ndarray, ubatch: UBatch, sinfo: SlotInfo) -> None:
+        """set_input_k_idxs into ``out``, a :meth:`k_idxs_view` of the ubatch's tensor."""
         n_tokens = ubatch.n_tokens
-        if n_tokens != (len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0):
-            self._slot_mismatch(ubatch, sinfo)
-        out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
-        if n_tokens == 1:  # the decode step of one sequence
+        if n_tokens == 1 and len(sinfo.strm) == 1 and sinfo.idxs and len(sinfo.idxs[0]) == 1:  # one sequence's step
             out[0] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size
-        else:
-            np.copyto(out, self._token_cells(sinfo))
+            return
+        self._check_slot(ubatch, sinfo)
+        out[...] = self._token_cells(sinfo)
 
     def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens] (V rows), or with a transposed V one row per element:
         I64 [n_embd_v_gqa_max*n_tokens], element j of token i at ``strm*kv_size*n_embd + j*kv_size + idx``."""
+        self._check_slot(ubatch, sinfo)
+        self.fill_v_idxs(self.v_idxs_view(dst, ubatch.n_tokens), ubatch, sinfo)
+
+    def v_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
+        """The data of the v_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens] (or
+        [n_tokens*n_embd_v_gqa_max] with a transposed V)."""
+        n = n_tokens * (self._v_elem_offs.shape[0] if self.v_trans else 1)
+        return self._host(dst, _I64, (n, 1, 1, 1), (n,))
+
+    def fill_v_idxs(self, out: np.ndarray, ubatch: UBatch, sinfo: SlotInfo) -> None:
+        """set_input_v_idxs into ``out``, a :meth:`v_idxs_view` of the ubatch's tensor."""
         n_tokens = ubatch.n_tokens
-        if n_tokens != (len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0):
-            self._slot_mismatch(ubatch, sinfo)
+        one = n_tokens == 1 and len(sinfo.strm) == 1 and sinfo.idxs and len(sinfo.idxs[0]) == 1  # one sequence's step
+        if not one:
+            self._check_slot(ubatch, sinfo)
         if not self.v_trans:
-            out = self._host(dst, _I64, (n_tokens, 1, 1, 1), (n_tokens,))
-            np.copyto(out, self._token_cells(sinfo))
+            if one:
+                out[0] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+            else:
+                out[...] = self._token_cells(sinfo)
             return
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]
-        if n_tokens == 1:  # the decode step of one sequence
-            out = self._host(dst, _I64, (n_embd, 1, 1, 1), (n_embd,))
+        if one:
             np.add(elem, sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd, out=out)
             return
-        out = self._host(dst, _I64, (n_tokens * n_embd, 1, 1, 1), (n_tokens, n_embd))
-        base = self._token_cells(sinfo, stream_stride=self.kv_size * n_embd)  # [n_tokens]
-        np.add(base[:, None], elem, out=out)
+        base = np.asarray(self._token_cells(sinfo, stream_stride=self.kv_size * n_embd), np.int64)  # [n_tokens]
+        np.add(base[:, None], elem, out=out.reshape(n_tokens, n_embd))
 
     def set_input_k_shift(self, dst: Any) -> None:
         """I32 [kv_size*n_stream]: the pending shift of every cell, 0 for empty cells."""
@@ -174,7 +193,11 @@ class KVInputs:
     def set_input_kq_mask(self, dst: Any, ubatch: UBatch, causal_attn: bool = True) -> None:
         """F32 or F16 [n_kv, n_tps, 1, n_stream]: 0 (or the ALiBi bias -|p0 - p1|) where token i may attend
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
-        n_tokens = ubatch.n_tokens
+        self.fill_kq_mask(self.kq_mask_view(dst, ubatch.n_tokens), ubatch, causal_attn)
+
+    def kq_mask_view(self, dst: Any, n_tokens: int) -> np.ndarray:
+        """The data of the kq mask input ``dst`` of a ubatch of ``n_tokens``, checked, as [n_tokens, n_kv] (row i =
+        token i: stream s, token ii of it, i = s*n_tps + ii)."""
         ent = self._entry(dst)
         n_kv, _, _, ns = ent[2][1]
         if ns < 1 or n_tokens % ns:
@@ -183,14 +206,17 @@ class KVInputs:
         if n_kv > self.kv_size:
             raise ValueError(f"kq mask {G.name(dst)!r}: n_kv = ne[0] = {n_kv} exceeds the cache size "
                              f"{self.kv_size}")
-        # row i = token i (stream s, token ii of it: i = s*n_tps + ii)
-        rows = self._host(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns), (n_tokens, n_kv), ent)
+        return self._host(dst, _MASK_TYPES, (n_kv, n_tokens // ns, 1, ns), (n_tokens, n_kv), ent)
+
+    def fill_kq_mask(self, rows: np.ndarray, ubatch: UBatch, causal_attn: bool = True) -> None:
+        """set_input_kq_mask into ``rows``, a :meth:`kq_mask_view` of the ubatch's tensor."""
+        n_tokens = ubatch.n_tokens
         if rows.size == 0:
             return
         plain = self._plain and not ubatch.is_pos_2d()  # no window, ALiBi or 2-D positions
         if plain and self.fast:  # ready rows (the decode step), unless a token needs its positions tested
             if n_tokens == 1:
-                if self.mask_rows.write_one(rows[0], ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
+                if self.mask_rows.write_one(rows, ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
                     return
             elif n_tokens <= LLAMA_MAX_SEQ and self.mask_rows.write(
                     rows, ubatch.seq_id[:, 0].tolist(), ubatch.pos[:n_tokens].tolist(), bool(causal_attn)):
@@ -229,19 +255,22 @@ class KVInputs:
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _slot_mismatch(ubatch: UBatch, sinfo: SlotInfo) -> None:
-        """RuntimeError: the ubatch's tokens are not its slot's cells (n_stream x size)."""
+    def _check_slot(ubatch: UBatch, sinfo: SlotInfo) -> None:
+        """RuntimeError unless the ubatch's tokens are its slot's cells (n_stream x size)."""
+        if ubatch.n_tokens == (len(sinfo.strm) * len(sinfo.idxs[0]) if sinfo.idxs else 0):
+            return
         size = sinfo.size() if sinfo.idxs else 0
         raise RuntimeError(f"ubatch of {ubatch.n_tokens} tokens does not match its slot of "
                            f"{sinfo.n_stream()} streams x {size} cells")
 
-    def _token_cells(self, sinfo: SlotInfo, stream_stride: int | None = None) -> np.ndarray:
-        """int64 [n_tokens]: ``strm*stream_stride + cell`` of each token (stride kv_size by default)."""
+    def _token_cells(self, sinfo: SlotInfo, stream_stride: int | None = None) -> np.ndarray | list[int]:
+        """int64 [n_tokens]: ``strm*stream_stride + cell`` of each token (stride kv_size by default); a list of ints
+        for one token per stream."""
         stride = self.kv_size if stream_stride is None else stream_stride
         if len(sinfo.idxs) == 1:
             return sinfo.idxs[0] + sinfo.strm[0] * stride if sinfo.strm[0] else sinfo.idxs[0]
-        if len(sinfo.idxs[0]) == 1:  # one token per stream (the decode step): Python ints
-            return np.array([idx.item(0) + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)], np.int64)
+        if len(sinfo.idxs[0]) == 1:  # one token per stream (the decode step): Python ints (numpy converts on write)
+            return [idx.item(0) + s * stride for s, idx in zip(sinfo.strm, sinfo.idxs)]
         cells = np.concatenate(sinfo.idxs)
         cells += np.repeat(np.multiply(sinfo.strm, stride, dtype=np.int64), len(sinfo.idxs[0]))
         return cells

@@ -64,16 +64,19 @@ class _Block:
         self.tick += 1
         log = self.log
         seen = self.seen
-        n_ones, n_seq, n_arrays = len(log.one_cells), len(log.seq_changes), len(log.arrays)
-        if log.epoch != self.epoch:
-            self.epoch = log.epoch
-            self.clear(n_kv)
-        elif n_seq == seen[1] and n_arrays == seen[2]:  # single cells only (the decode step), or nothing
-            if n_ones > seen[0] and self.seqs:
-                self._patch_ones(log.one_cells, log.one_seqs, seen[0], n_ones)
-        elif self.seqs and not self._patch(log):
-            self.clear(n_kv)
-        self.seen = (n_ones, n_seq, n_arrays)
+        n_ones = len(log.one_cells)
+        if log.epoch == self.epoch and len(log.seq_changes) == seen[1] and len(log.arrays) == seen[2]:
+            if n_ones > seen[0]:  # single cells only (the decode step)
+                if self.seqs:
+                    self._patch_ones(log.one_cells, log.one_seqs, seen[0], n_ones)
+                self.seen = (n_ones, seen[1], seen[2])
+        else:
+            if log.epoch != self.epoch:
+                self.epoch = log.epoch
+                self.clear(n_kv)
+            elif self.seqs and not self._patch(log):
+                self.clear(n_kv)
+            self.seen = (n_ones, len(log.seq_changes), len(log.arrays))
         if n_kv > self.n_valid:
             if self.seqs:
                 self._fill(slice(self.n_valid, n_kv))
@@ -81,14 +84,14 @@ class _Block:
 
     def _patch_ones(self, cells: list[int], seqs: list[int], a: int, b: int) -> None:
         """Recompute entries [a, b) of the single-cell changes: each in its sequence's row only."""
-        bits, rows, neg, n, row_of = self.cells.seq_bits, self.rows, self.neg, self.n_valid, self.row_of
+        row_of = self.row_of
         for k in range(a, b):
             s = seqs[k]
             r = row_of.get(s)
             if r is not None:
                 i = cells[k]
-                if i < n:
-                    rows[r, i] = 0 if bits.item(s >> 6, i) >> (s & 63) & 1 else neg
+                if i < self.n_valid:
+                    self.rows[r, i] = 0 if self.cells.seq_bits.item(s >> 6, i) >> (s & 63) & 1 else self.neg
 
     def _patch(self, log: ChangeLog) -> bool:
         """Recompute what the entries logged since ``seen`` changed: a single (cell, sequence) change touches that
@@ -198,60 +201,76 @@ class MaskRows:
         self.budget = budget                              # bytes per block
         self._blocks: dict[tuple[int, np.dtype], _Block] = {}  # (stream, mask type) -> rows
 
-    def write_one(self, row: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
-        """Fill the mask row ``row`` [n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
+    def write_one(self, rows: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
+        """Fill the mask ``rows`` [1, n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
         strm = self.book.stream_of[seq_id]
         lo, hi = self.book.v_cells[strm].seq_pos_bounds(seq_id)
         if lo < 0 or (causal and hi > p1):  # (lo -1: no cell, or a cell at -1)
             return False
-        n_kv = row.shape[0]
-        block = self._block(strm, row.dtype, n_kv)
+        n_kv = rows.shape[1]
+        block = self._block(strm, rows.dtype, n_kv)
         r = block.row_of.get(seq_id)
         if r is None:
             r = block.row(seq_id)  # (never None: the least recently used row served an earlier write)
         else:
             block.used[r] = block.tick
-        np.copyto(row, block.frows[r, :n_kv])
+        rows[0] = block.frows[r, :n_kv]  # (an item assignment: half the cost of np.copyto's dispatch)
         return True
 
     def write(self, rows: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
         """Fill the mask rows ``rows`` [n_tokens, n_kv] (float32 or float16) of tokens of sequences ``seq_ids`` at
         positions ``pos``."""
         book = self.book
-        stream_of, v_cells = book.stream_of, book.v_cells
-        if book.n_stream == 1:
-            if not v_cells[0].seq_pos_within(seq_ids, pos if causal else None):
-                return False
-        elif not all(v_cells[stream_of[s]].seq_pos_within([s], [p] if causal else None)
-                     for s, p in zip(seq_ids, pos)):
+        if book.n_stream != 1:
+            return self._write_streams(rows, seq_ids, pos, causal)
+        if not book.v_cells[0].seq_pos_within(seq_ids, pos if causal else None):
             return False
         out = rows
         n_kv = out.shape[1]
-        if book.n_stream == 1:
-            block = self._block(0, rows.dtype, n_kv)
-            rs = list(map(block.row_of.get, seq_ids))
-            if None in rs:  # some row has to be built
-                rs = [block.row(s) for s in seq_ids]
-                if None in rs:
-                    return False
-            else:
-                used, tick = block.used, block.tick
-                for r in rs:
-                    used[r] = tick
-            frows = block.frows
-            for i, r in enumerate(rs):  # (np.take would first copy every row of the strided [:, :n_kv] view)
-                np.copyto(out[i], frows[r, :n_kv])
-            return True
-        synced = {}
+        block = self._block(0, rows.dtype, n_kv)
+        rs = list(map(block.row_of.get, seq_ids))
+        if None in rs:  # some row has to be built
+            rs = [block.row(s) for s in seq_ids]
+            if None in rs:
+                return False
+        else:
+            used, tick = block.used, block.tick
+            for r in rs:
+                used[r] = tick
+        frows = block.frows
+        for i, r in enumerate(rs):  # (np.take would first copy every row of the strided [:, :n_kv] view)
+            out[i] = frows[r, :n_kv]
+        return True
+
+    def _write_streams(self, out: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
+        """:meth:`write` over several streams: each token's row from its sequence's stream, each block synced once."""
+        book = self.book
+        stream_of, v_cells = book.stream_of, book.v_cells
+        for s, p in zip(seq_ids, pos):
+            lo, hi = v_cells[stream_of[s]].seq_pos_bounds(s)
+            if lo < 0 or (causal and hi > p):  # (lo -1: no cell, or a cell at -1)
+                return False
+        n_kv = out.shape[1]
+        ftype = out.dtype
+        synced, blocks = {}, self._blocks
         for i, s in enumerate(seq_ids):
             st = stream_of[s]
             block = synced.get(st)
             if block is None:
-                block = synced[st] = self._block(st, rows.dtype, n_kv)
-            r = block.row(s)
+                block = blocks.get((st, ftype))  # (_block, inline: every token of the step comes here)
+                if block is None or block.cells is not v_cells[st]:
+                    block = self._block(st, ftype, n_kv)
+                else:
+                    block.sync(n_kv)
+                synced[st] = block
+            r = block.row_of.get(s)
             if r is None:
-                return False
-            np.copyto(out[i], block.frows[r, :n_kv])
+                r = block.row(s)
+                if r is None:
+                    return False
+            else:
+                block.used[r] = block.tick
+            out[i] = block.frows[r, :n_kv]
         return True
 
     def _block(self, strm: int, ftype: np.dtype, n_kv: int) -> _Block:

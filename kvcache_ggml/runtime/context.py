@@ -214,7 +214,9 @@ class Context:
 
         Raises :class:`DecodeError` where llama_decode returns non-zero (``code`` is that value).
         """
-        kv, tm, balloc = self._kv(), self.times, self.balloc
+        kv, tm, balloc = self.kv, self.times, self.balloc
+        if kv is None:
+            raise ValueError("the context is closed")
         t0 = _perf()
         try:
             balloc.init(batch, self.n_vocab, kv, self._n_embd, self._balloc_seq_max, False)
@@ -242,7 +244,8 @@ class Context:
                 n_outputs = ubatch.n_tokens
             else:
                 n_outputs = int(np.count_nonzero(ubatch.output[:ubatch.n_tokens]))
-            self._process_ubatch(mctx, ubatch, n_outputs, logits[row:row + n_outputs])
+            self._process_ubatch(mctx, ubatch, n_outputs,
+                                 logits if n_outputs == n_outputs_all else logits[row:row + n_outputs])
             row += n_outputs
             if not mctx.next():
                 break
@@ -278,7 +281,11 @@ class Context:
 
     def _set_outputs(self, logits: np.ndarray, n_tokens_all: int) -> None:
         """``self.logits`` in batch order and ``self.output_ids`` from the rows in split order."""
-        out_ids = self.balloc.get_out_ids()                  # batch index of each row, in split order
+        balloc = self.balloc
+        if balloc.out_ids_in_order():  # the decode step whose every token is an output: rows in batch order
+            self.logits, self.output_ids = logits, self._iota[:n_tokens_all]
+            return
+        out_ids = balloc.get_out_ids()                       # batch index of each row, in split order
         n = len(out_ids)
         iota = self._iota[:n]
         # every token an output, rows in batch order (bytes compared: a few times cheaper than array_equal)

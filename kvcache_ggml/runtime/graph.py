@@ -57,6 +57,7 @@ class DecoderGraph:
     out_ids_h: np.ndarray | None = None  # int32 [n_outputs] host view of out_ids
     logits_h: np.ndarray | None = None   # float32 [n_outputs, n_vocab] host view of the logits
     out_rows: np.ndarray | None = None   # int32 [n_outputs] 0..n_outputs-1: out_ids when every token is an output
+    kv_views: tuple | None = None        # the memory context's input_views of k_idxs, v_idxs, kq_mask (first fill)
 
     def map_inputs(self) -> None:
         """After the scheduler allocated the graph (its tensors keep their memory while the graph is reused):
@@ -73,7 +74,7 @@ class DecoderGraph:
     def read_logits(self, dst: np.ndarray) -> None:
         """Copy the logits into ``dst``, float32 C-contiguous [n_outputs, n_vocab] (after the compute)."""
         if self.logits_h is not None:
-            np.copyto(dst, self.logits_h)
+            dst[...] = self.logits_h  # (a slice assignment: no np.copyto dispatch)
         else:
             G.get_into(self.logits, dst)
 
@@ -247,18 +248,19 @@ def set_inputs(g: DecoderGraph, mctx: Any, ubatch: Any, causal_attn: bool = True
     """Fill the graph's inputs for ``ubatch`` (the current ubatch of ``mctx``, applied)."""
     n_tokens = ubatch.n_tokens
     if g.tokens is not None:
-        _put(g.tokens, g.tokens_h, ubatch.token[:n_tokens])
+        _put(g.tokens, g.tokens_h, ubatch.token)                                # [n_tokens]
     else:
-        _put(g.embd, g.embd_h, ubatch.embd[:n_tokens].reshape(-1))
-    _put(g.pos, g.pos_h, ubatch.pos[:n_tokens])
+        _put(g.embd, g.embd_h, ubatch.embd.reshape(-1))                          # [n_tokens*n_embd]
+    _put(g.pos, g.pos_h, ubatch.pos if ubatch.n_pos == 1 else ubatch.pos[:n_tokens])
     if g.key.n_outputs:
         out = g.out_rows
         if out is None:
             out = np.flatnonzero(ubatch.output[:n_tokens]).astype(np.int32)
         _put(g.out_ids, g.out_ids_h, out)
-    mctx.set_input_k_idxs(g.k_idxs, ubatch)
-    mctx.set_input_v_idxs(g.v_idxs, ubatch)
-    mctx.set_input_kq_mask(g.kq_mask, ubatch, causal_attn)
+    views = g.kv_views
+    if views is None:  # checked once per graph: its tensors keep their memory while it is computed again
+        views = g.kv_views = mctx.input_views(g.k_idxs, g.v_idxs, g.kq_mask, n_tokens)
+    mctx.fill_inputs(views, ubatch, causal_attn)
 
 
 def _put(t: Any, view: np.ndarray | None, data: np.ndarray) -> None:
