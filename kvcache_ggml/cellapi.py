@@ -2,7 +2,9 @@
 
 Each method works on one cell ``i`` with the seed's name and preconditions (asserted), through the vectorised
 methods of :class:`~kvcache_ggml.cells.KVCells`, which keep the derived indices and the change log in sync.  The
-cache itself uses the vectorised methods; these serve tests, notebooks and code ported from llama.cpp.
+cache itself uses the vectorised methods; these serve tests, notebooks and code ported from llama.cpp.  Two scalar
+helpers serve the decode step over cells a sliding window left behind (:mod:`kvcache_ggml.cache.swa_step`):
+``seq_pos_keys`` (a sequence's position multiset) and ``rm_only`` (rm() of a cell held by one sequence).
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ def bitset_ids(words: np.ndarray) -> list[int]:
 
 
 class OneCellAPI:
-    """The seed's one-cell methods; the host class provides ``_pos``, ``_seq``, ``_ext``, ``_shift``, ``_used``
-    and the vectorised methods."""
+    """The seed's one-cell methods; the host class provides ``_pos``, ``_seq``, ``_ext``, ``_shift``, ``_used``,
+    ``_seq_pos``, ``_log`` and the vectorised methods."""
 
     __slots__ = ()
 
@@ -112,3 +114,27 @@ class OneCellAPI:
     def pos_div(self, i: int, d: int) -> None:
         assert self._pos[i] != -1, f"pos_div() of empty cell {i}"
         self.pos_div_many(np.array([i], np.int64), d)
+
+    # ------------------------------------------------------------------ scalar helpers of the decode step
+
+    def seq_pos_keys(self, seq_id: int) -> tuple[list[int], list[int]]:
+        """The position multiset of ``seq_id``: its distinct positions ascending and how many cells hold each (the
+        cells' own lists: read only); two empty lists when it holds no cell."""
+        ms = self._seq_pos.get(seq_id)
+        return (ms.keys, ms.counts) if ms is not None else ([], [])
+
+    def rm_only(self, i: int, seq_id: int) -> None:
+        """rm() of cell ``i``, which holds ``seq_id`` alone, with scalar Python (the decode step over a cell the
+        sliding window left behind)."""
+        p = self._pos.item(i)
+        assert p >= 0 and self._seq.item(seq_id >> 6, i) == 1 << (seq_id & 63), f"cell {i} is not {seq_id}'s alone"
+        ms = self._seq_pos[seq_id]
+        ms.dec(p)
+        if not ms:
+            del self._seq_pos[seq_id]
+        self._seq[seq_id >> 6, i] = 0
+        self._pos[i] = -1
+        self._ext[i] = 0
+        self._shift[i] = 0
+        self._used.erase_one(i)
+        self._log.add_one(i, seq_id)
