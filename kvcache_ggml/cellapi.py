@@ -117,6 +117,21 @@ class OneCellAPI:
 
     # ------------------------------------------------------------------ scalar helpers of the decode step
 
+    def only_seq(self, i: int) -> int:
+        """The only sequence of cell ``i``; -1 when it holds none or several (scalar reads of its words)."""
+        seq = self._seq
+        v = seq.item(0, i)
+        if v and not v & (v - 1):  # one sequence below 64 (the common case), unless the other words hold more
+            return -1 if seq.item(1, i) or seq.item(2, i) or seq.item(3, i) else v.bit_length() - 1
+        q = -1
+        for w in range(4):  # (SEQ_WORDS words)
+            v = seq.item(w, i)
+            if v:
+                if q >= 0 or v & (v - 1):
+                    return -1
+                q = (w << 6) + v.bit_length() - 1
+        return q
+
     def seq_pos_keys(self, seq_id: int) -> tuple[list[int], list[int]]:
         """The position multiset of ``seq_id``: its distinct positions ascending and how many cells hold each (the
         cells' own lists: read only); two empty lists when it holds no cell."""
@@ -134,7 +149,9 @@ class OneCellAPI:
             del self._seq_pos[seq_id]
         self._seq[seq_id >> 6, i] = 0
         self._pos[i] = -1
-        self._ext[i] = 0
+        ext = self._ext
+        if ext.item(i, 0) or ext.item(i, 1):  # (0 but on M-RoPE models: cheaper to read than to write)
+            ext[i] = 0
         self._shift[i] = 0
         self._used.erase_one(i)
         self._log.add_one(i, seq_id)

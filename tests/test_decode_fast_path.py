@@ -418,7 +418,8 @@ def test_cell_at_position_minus_one_is_empty_to_the_mask(fast):
 # ---------------------------------------------------------------------------------------------- a wrapped window
 
 def _step_both(fast, slow, seqs, pos=None):
-    """One decode step of ``seqs`` (one token each) on both caches (KVCache or KVCacheISWA); the contexts."""
+    """One decode step of ``seqs`` (one token each) on both caches (KVCache or KVCacheISWA), compared between
+    init_batch and apply too (prepare must leave what the general path leaves); the contexts."""
     ctxs = []
     for kv in (fast, slow):
         ba = BatchAllocator(1)
@@ -427,8 +428,12 @@ def _step_both(fast, slow, seqs, pos=None):
                 16, kv.n_seq_max, False)
         ctx = kv.init_batch(ba, 512)
         assert ctx.get_status() == MemoryStatus.SUCCESS
-        ctx.apply()  # (one ubatch: the context stays on it)
         ctxs.append(ctx)
+    for a, b in ((fast, slow),) if hasattr(fast, "book") else ((fast.get_base(), slow.get_base()),
+                                                                (fast.get_swa(), slow.get_swa())):
+        same_cache(a, b)
+    for ctx in ctxs:
+        ctx.apply()  # (one ubatch: the context stays on it)
     return ctxs
 
 

@@ -45,19 +45,6 @@ class WrapStats:
     placed: int = 0  # apply_ubatch over occupied cells by place_over
 
 
-def only_seq(cells: KVCells, i: int) -> int:
-    """The only sequence of cell ``i``, or -1 when it holds none or several (scalar reads of its four words)."""
-    seq = cells.seq_bits
-    q = -1
-    for w in range(4):
-        v = seq.item(w, i)
-        if v:
-            if q >= 0 or v & (v - 1):
-                return -1
-            q = (w << 6) + v.bit_length() - 1
-    return q
-
-
 def _masked(swa_type: int, n_swa: int, p0: int, p1: int) -> bool:
     """is_masked_swa for ints (p0, p1 >= 0; CHUNKED with n_swa > 0: the caller checks)."""
     if swa_type == _STANDARD:
@@ -81,7 +68,7 @@ def slot_run(book: KVBookkeeping, cells: KVCells, head: int, n: int) -> int | No
     if head + n > size or n > _FEW:
         return None
     pos = cells.pos_array
-    swa_type, n_swa = int(book.swa_type), book.n_swa
+    swa_type, n_swa = book.swa_type, book.n_swa
     occupied = False
     for i in range(head, head + n):
         p = pos.item(i)
@@ -89,7 +76,7 @@ def slot_run(book: KVBookkeeping, cells: KVCells, head: int, n: int) -> int | No
             continue
         if not swa_type or (swa_type == _CHUNKED and n_swa <= 0):
             return None
-        q = only_seq(cells, i)
+        q = cells.only_seq(i)
         if q < 0 or not _masked(swa_type, n_swa, p, cells.seq_pos_max(q) + 1):
             return None
         occupied = True
@@ -111,7 +98,7 @@ def _occupied(book: KVBookkeeping, sinfo: SlotInfo) -> list[tuple[KVCells, int, 
         for i in (idx.tolist() if len(idx) > 1 else (idx.item(0),)):
             p = pos.item(i)
             if p >= 0:
-                q = only_seq(cells, i)
+                q = cells.only_seq(i)
                 if q < 0 or q >= n_ids or stream_of[q] != st:
                     return None
                 out.append((cells, i, q, p))
@@ -135,6 +122,8 @@ def rolls_back_clean(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bo
     cell as it was: the slot's cells are empty, or -- one sequence per token -- each occupied one holds one
     sequence of its stream with no pending shift (the roll-back does not restore a shift) and apply's purge would
     remove nothing (every sequence that loses a cell keeps no position at or below the largest it lost)."""
+    if len(sinfo.strm) == 1 and len(sinfo.idxs[0]) == 1:  # one cell (one token)
+        return _one_clean(book, sinfo.strm[0], sinfo.idxs[0].item(0), ubatch)
     occ = _occupied(book, sinfo)
     if occ is None:
         return False
@@ -166,6 +155,25 @@ def rolls_back_clean(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bo
     return True
 
 
+def _one_clean(book: KVBookkeeping, st: int, i: int, ubatch: UBatch) -> bool:
+    """rolls_back_clean of a one-cell slot (cell ``i`` of stream ``st``) with scalar Python."""
+    cells = book.v_cells[st]
+    p = cells.pos_array.item(i)
+    if p < 0:
+        return True
+    q = cells.only_seq(i)
+    if q < 0 or q >= book.n_seq_ids or book.stream_of[q] != st or cells.shift_array.item(i):
+        return False
+    if ubatch.seq_id.shape[1] != 1:
+        return False
+    keys, counts = cells.seq_pos_keys(q)  # (p is one of them: keys[0] <= p)
+    # purged: a position of q at or below p besides the cell's, or q's new token at or below p
+    if keys[0] < p or counts[0] > 1 or (ubatch.seq_id.item(0) == q and ubatch.pos.item(0) <= p):
+        return False
+    book.wrap_stats.kept += 1
+    return True
+
+
 def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     """apply_ubatch (one sequence per token, 1-D positions) when some cell of the slot is occupied: each occupied
     cell -- one sequence of its stream -- is emptied, the tokens placed (``_place_free``), then every sequence
@@ -173,6 +181,8 @@ def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     with nothing done, for a slot it does not serve."""
     if ubatch.seq_id.shape[1] != 1:
         return False
+    if len(sinfo.strm) == 1 and len(sinfo.idxs[0]) == 1:  # one cell (one token)
+        return _place_one_over(book, sinfo.strm[0], sinfo.idxs[0].item(0), ubatch)
     occ = _occupied(book, sinfo)
     if not occ:  # (an empty slot is _place_free's, which declined it)
         return False
@@ -194,5 +204,23 @@ def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     if purged:  # the heads move after the purge, as in the seed
         for st, idx in zip(sinfo.strm, sinfo.idxs):
             book.v_heads[st] = idx.item(-1) + 1
+    book.wrap_stats.placed += 1
+    return True
+
+
+def _place_one_over(book: KVBookkeeping, st: int, i: int, ubatch: UBatch) -> bool:
+    """place_over of a one-cell slot (cell ``i`` of stream ``st``, occupied) with scalar Python."""
+    cells = book.v_cells[st]
+    p = cells.pos_array.item(i)
+    q = cells.only_seq(i) if p >= 0 else -1
+    if q < 0 or q >= book.n_seq_ids or book.stream_of[q] != st:
+        return False
+    cells.rm_only(i, q)
+    cells.place_one(i, ubatch.pos.item(0), ubatch.seq_id.item(0))
+    pmin = cells.seq_pos_min(q)
+    if pmin <= p:
+        log.debug("purging positions [%d, %d] of sequence %d from KV cache", pmin, p, q)
+        book.seq_rm(q, pmin, p + 1)
+    book.v_heads[st] = i + 1
     book.wrap_stats.placed += 1
     return True
