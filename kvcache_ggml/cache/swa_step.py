@@ -136,21 +136,18 @@ def rolls_back_clean(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bo
         if cells.shift_array.item(i):
             return False
         removed.setdefault(q, []).append(p)
-    n_tok = ubatch.n_tokens
-    seqs = ubatch.seq_id.item(0) if n_tok == 1 else None
+    # a token of q placed at or below the largest position q loses would be q's new minimum: a purge
+    lowest: dict[int, int] = {}
+    for q, p in zip(ubatch.seq_id[:, 0].tolist(), ubatch.pos[:ubatch.n_tokens].tolist()):
+        if q in removed and p < lowest.get(q, p + 1):
+            lowest[q] = p
     for q, ps in removed.items():
         pmax = max(ps)
+        if lowest.get(q, pmax + 1) <= pmax:
+            return False
         pmin = _new_min(book.v_cells[book.stream_of[q]], q, ps)
         if 0 <= pmin <= pmax:
             return False
-        # a token of q placed at or below pmax would be the new minimum: a purge
-        if seqs is not None:
-            if seqs == q and ubatch.pos.item(0) <= pmax:
-                return False
-        else:
-            for s, p in zip(ubatch.seq_id[:, 0].tolist(), ubatch.pos[:n_tok].tolist()):
-                if s == q and p <= pmax:
-                    return False
     book.wrap_stats.kept += 1
     return True
 
