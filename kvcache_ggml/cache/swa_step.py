@@ -122,8 +122,20 @@ def rolls_back_clean(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bo
     cell as it was: the slot's cells are empty, or -- one sequence per token -- each occupied one holds one
     sequence of its stream with no pending shift (the roll-back does not restore a shift) and apply's purge would
     remove nothing (every sequence that loses a cell keeps no position at or below the largest it lost)."""
-    if len(sinfo.strm) == 1 and len(sinfo.idxs[0]) == 1:  # one cell (one token)
-        return _one_clean(book, sinfo.strm[0], sinfo.idxs[0].item(0), ubatch)
+    strm, idxs = sinfo.strm, sinfo.idxs
+    if len(idxs[0]) == 1 and ubatch.seq_id.shape[1] == 1:  # one cell per stream (one token per stream)
+        if len(strm) == 1:
+            got = _one_clean(book, strm[0], idxs[0].item(0), ubatch.seq_id.item(0), ubatch.pos.item(0))
+        else:
+            got = 0
+            for st, idx, q, p in zip(strm, idxs, ubatch.seq_id.reshape(-1).tolist(), ubatch.pos.tolist()):
+                one = _one_clean(book, st, idx.item(0), q, p)
+                if one < 0:
+                    return False
+                got |= one
+        if got > 0:
+            book.wrap_stats.kept += 1
+        return got >= 0
     occ = _occupied(book, sinfo)
     if occ is None:
         return False
@@ -152,23 +164,22 @@ def rolls_back_clean(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bo
     return True
 
 
-def _one_clean(book: KVBookkeeping, st: int, i: int, ubatch: UBatch) -> bool:
-    """rolls_back_clean of a one-cell slot (cell ``i`` of stream ``st``) with scalar Python."""
+def _one_clean(book: KVBookkeeping, st: int, i: int, tok_seq: int, tok_pos: int) -> int:
+    """rolls_back_clean of the one cell ``i`` that stream ``st`` gives the token (``tok_seq``, ``tok_pos``), with
+    scalar Python: 0 when the cell is empty, 1 when occupied but clean, -1 when not clean.  (The token is the only
+    one of its stream that can be of the cell's sequence: one stream, or one sequence per stream.)"""
     cells = book.v_cells[st]
     p = cells.pos_array.item(i)
     if p < 0:
-        return True
+        return 0
     q = cells.only_seq(i)
     if q < 0 or q >= book.n_seq_ids or book.stream_of[q] != st or cells.shift_array.item(i):
-        return False
-    if ubatch.seq_id.shape[1] != 1:
-        return False
+        return -1
     keys, counts = cells.seq_pos_keys(q)  # (p is one of them: keys[0] <= p)
     # purged: a position of q at or below p besides the cell's, or q's new token at or below p
-    if keys[0] < p or counts[0] > 1 or (ubatch.seq_id.item(0) == q and ubatch.pos.item(0) <= p):
-        return False
-    book.wrap_stats.kept += 1
-    return True
+    if keys[0] < p or counts[0] > 1 or (tok_seq == q and tok_pos <= p):
+        return -1
+    return 1
 
 
 def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
