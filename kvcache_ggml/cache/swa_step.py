@@ -189,8 +189,10 @@ def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     with nothing done, for a slot it does not serve."""
     if ubatch.seq_id.shape[1] != 1:
         return False
-    if len(sinfo.strm) == 1 and len(sinfo.idxs[0]) == 1:  # one cell (one token)
-        return _place_one_over(book, sinfo.strm[0], sinfo.idxs[0].item(0), ubatch)
+    if len(sinfo.idxs[0]) == 1:  # one cell per stream (one token per stream)
+        if len(sinfo.strm) == 1:
+            return _place_one_over(book, sinfo.strm[0], sinfo.idxs[0].item(0), ubatch)
+        return _place_each_over(book, sinfo, ubatch)
     occ = _occupied(book, sinfo)
     if not occ:  # (an empty slot is _place_free's, which declined it)
         return False
@@ -230,5 +232,36 @@ def _place_one_over(book: KVBookkeeping, st: int, i: int, ubatch: UBatch) -> boo
         log.debug("purging positions [%d, %d] of sequence %d from KV cache", pmin, p, q)
         book.seq_rm(q, pmin, p + 1)
     book.v_heads[st] = i + 1
+    book.wrap_stats.placed += 1
+    return True
+
+
+def _place_each_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
+    """place_over of one cell per stream (the decode step of several streams), some occupied: stream by stream
+    (a sequence and its purge stay in its stream), after every cell was checked."""
+    v_cells, stream_of, n_ids = book.v_cells, book.stream_of, book.n_seq_ids
+    olds = []
+    for st, idx in zip(sinfo.strm, sinfo.idxs):
+        cells = v_cells[st]
+        i = idx.item(0)
+        p = cells.pos_array.item(i)
+        q = -1
+        if p >= 0:
+            q = cells.only_seq(i)
+            if q < 0 or q >= n_ids or stream_of[q] != st:
+                return False
+        olds.append((cells, i, q, p))
+    v_heads = book.v_heads
+    for st, (cells, i, q, p), s, p_new in zip(sinfo.strm, olds, ubatch.seq_id.reshape(-1).tolist(),
+                                                ubatch.pos.tolist()):
+        if q >= 0:
+            cells.rm_only(i, q)
+        cells.place_one(i, p_new, s)
+        if q >= 0:
+            pmin = cells.seq_pos_min(q)
+            if pmin <= p:
+                log.debug("purging positions [%d, %d] of sequence %d from KV cache", pmin, p, q)
+                book.seq_rm(q, pmin, p + 1)
+        v_heads[st] = i + 1
     book.wrap_stats.placed += 1
     return True
