@@ -69,6 +69,17 @@ def slot_run(book: KVBookkeeping, cells: KVCells, head: int, n: int) -> int | No
         return None
     pos = cells.pos_array
     swa_type, n_swa = book.swa_type, book.n_swa
+    if n == 1:  # (the decode step of one sequence: no loop)
+        p = pos.item(head)
+        if p < 0:
+            return head
+        if not swa_type or (swa_type == _CHUNKED and n_swa <= 0):
+            return None
+        q = cells.only_seq(head)
+        if q < 0 or not _masked(swa_type, n_swa, p, cells.seq_pos_max(q) + 1):
+            return None
+        book.wrap_stats.found += 1
+        return head
     occupied = False
     for i in range(head, head + n):
         p = pos.item(i)
