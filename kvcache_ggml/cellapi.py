@@ -145,7 +145,7 @@ class OneCellAPI:
         assert p >= 0 and self._seq.item(seq_id >> 6, i) == 1 << (seq_id & 63), f"cell {i} is not {seq_id}'s alone"
         ms = self._seq_pos[seq_id]
         ms.dec(p)
-        if not ms:
+        if not ms.keys:  # (no __len__ call)
             del self._seq_pos[seq_id]
         self._seq[seq_id >> 6, i] = 0
         self._pos[i] = -1
