@@ -2,7 +2,9 @@
 
 Each method works on one cell ``i`` with the seed's name and preconditions (asserted), through the vectorised
 methods of :class:`~kvcache_ggml.cells.KVCells`, which keep the derived indices and the change log in sync.  The
-cache itself uses the vectorised methods; these serve tests, notebooks and code ported from llama.cpp.
+cache itself uses the vectorised methods; these serve tests, notebooks and code ported from llama.cpp.  Two scalar
+helpers serve the decode step over cells a sliding window left behind (:mod:`kvcache_ggml.cache.swa_step`):
+``seq_pos_keys`` (a sequence's position multiset) and ``rm_only`` (rm() of a cell held by one sequence).
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ def bitset_ids(words: np.ndarray) -> list[int]:
 
 
 class OneCellAPI:
-    """The seed's one-cell methods; the host class provides ``_pos``, ``_seq``, ``_ext``, ``_shift``, ``_used``
-    and the vectorised methods."""
+    """The seed's one-cell methods; the host class provides ``_pos``, ``_seq``, ``_ext``, ``_shift``, ``_used``,
+    ``_seq_pos``, ``_log`` and the vectorised methods."""
 
     __slots__ = ()
 
@@ -112,3 +114,44 @@ class OneCellAPI:
     def pos_div(self, i: int, d: int) -> None:
         assert self._pos[i] != -1, f"pos_div() of empty cell {i}"
         self.pos_div_many(np.array([i], np.int64), d)
+
+    # ------------------------------------------------------------------ scalar helpers of the decode step
+
+    def only_seq(self, i: int) -> int:
+        """The only sequence of cell ``i``; -1 when it holds none or several (scalar reads of its words)."""
+        seq = self._seq
+        v = seq.item(0, i)
+        if v and not v & (v - 1):  # one sequence below 64 (the common case), unless the other words hold more
+            return -1 if seq.item(1, i) or seq.item(2, i) or seq.item(3, i) else v.bit_length() - 1
+        q = -1
+        for w in range(4):  # (SEQ_WORDS words)
+            v = seq.item(w, i)
+            if v:
+                if q >= 0 or v & (v - 1):
+                    return -1
+                q = (w << 6) + v.bit_length() - 1
+        return q
+
+    def seq_pos_keys(self, seq_id: int) -> tuple[list[int], list[int]]:
+        """The position multiset of ``seq_id``: its distinct positions ascending and how many cells hold each (the
+        cells' own lists: read only); two empty lists when it holds no cell."""
+        ms = self._seq_pos.get(seq_id)
+        return (ms.keys, ms.counts) if ms is not None else ([], [])
+
+    def rm_only(self, i: int, seq_id: int) -> None:
+        """rm() of cell ``i``, which holds ``seq_id`` alone, with scalar Python (the decode step over a cell the
+        sliding window left behind)."""
+        p = self._pos.item(i)
+        assert p >= 0 and self._seq.item(seq_id >> 6, i) == 1 << (seq_id & 63), f"cell {i} is not {seq_id}'s alone"
+        ms = self._seq_pos[seq_id]
+        ms.dec(p)
+        if not ms.keys:  # (no __len__ call)
+            del self._seq_pos[seq_id]
+        self._seq[seq_id >> 6, i] = 0
+        self._pos[i] = -1
+        ext = self._ext
+        if ext.item(i, 0) or ext.item(i, 1):  # (0 but on M-RoPE models: cheaper to read than to write)
+            ext[i] = 0
+        self._shift[i] = 0
+        self._used.erase_one(i)
+        self._log.add_one(i, seq_id)

@@ -156,6 +156,20 @@ class FastGeneralMachine(RuleBasedStateMachine):
         rows, pos, out = self._batch(data, decode_shaped)
         token_dtype = data.draw(st.sampled_from([np.int32, np.int64]))
         seq_as_array = all(len(r) == 1 for r in rows) and data.draw(st.booleans())
+        self._decode(rows, pos, out, token_dtype, seq_as_array, output_all, n_ubatch)
+
+    @rule(data=st.data(), n_steps=st.integers(2, 12))
+    def decode_run(self, data, n_steps):
+        """Several one-token steps of the same sequences in a row (over a small cache with a window: the window
+        wraps and the steps land on cells it left behind)."""
+        seqs = data.draw(st.lists(st.integers(0, self.n_seq - 1), min_size=1, max_size=self.n_seq, unique=True))
+        explicit = data.draw(st.booleans())
+        for _ in range(n_steps):
+            pos = [max(0, self.fast.seq_pos_max(s) + 1) for s in seqs] if explicit else None
+            self._decode([[s] for s in seqs], pos, None, np.int32, False, False, 512)
+
+    def _decode(self, rows, pos, out, token_dtype, seq_as_array, output_all, n_ubatch):
+        """One decode of the same batch on both caches, everything compared after each step."""
         fa, ea = self._init(self.fast, rows, pos, out, token_dtype, seq_as_array, output_all, True)
         ga, eb = self._init(self.slow, rows, pos, out, token_dtype, seq_as_array, output_all, False)
         assert ea == eb
@@ -267,8 +281,8 @@ class FastGeneralMachine(RuleBasedStateMachine):
         assert blob == self.slow.state_save(s)
         if s >= 0:
             self._both("seq_rm", s, -1, -1)
-        self.fast.state_load(blob, s)
-        self.slow.state_load(blob, s)
+        # (no room when other sequences hold the cells, e.g. a full window of a copy: the same error on both)
+        self._both("state_load", blob, s)
 
     @precondition(lambda self: self.CFG["kv_size"] > 256)
     @rule(data=st.data())
@@ -308,6 +322,14 @@ TestUnifiedEvict = _machine("UnifiedEvict", kv_size=24, n_seq_max=4, unified=Tru
 TestStreams = _machine("Streams", kv_size=12, n_seq_max=3, unified=False)
 TestStreamsNoVTrans = _machine("StreamsNoVTrans", kv_size=12, n_seq_max=3, unified=False, v_trans=False)
 TestSwa = _machine("Swa", kv_size=12, n_seq_max=2, unified=True, n_swa=4, swa_type=SwaType.STANDARD)
+# small caches whose window wraps within a trace: one-token steps over cells the window left behind
+TestSwaWrapOne = _machine("SwaWrapOne", kv_size=6, n_seq_max=1, unified=True, n_swa=2, swa_type=SwaType.STANDARD)
+TestSwaWrapUnified = _machine("SwaWrapUnified", kv_size=8, n_seq_max=3, unified=True, n_swa=2,
+                              swa_type=SwaType.STANDARD)
+TestSwaWrapChunked = _machine("SwaWrapChunked", kv_size=8, n_seq_max=2, unified=True, n_swa=3,
+                              swa_type=SwaType.CHUNKED)
+TestSwaWrapStreams = _machine("SwaWrapStreams", kv_size=6, n_seq_max=3, unified=False, n_swa=2,
+                              swa_type=SwaType.STANDARD, v_trans=False)
 TestLarge = _machine("Large", kv_size=768, n_seq_max=3, unified=True)
 
 
@@ -391,3 +413,120 @@ def test_cell_at_position_minus_one_is_empty_to_the_mask(fast):
     inf = -np.inf
     assert rows[:2] == [[inf, inf, inf, inf], [inf, 0.0, inf, inf]]
     assert kv.v_cells[0].pos_array[:3].tolist() == [-1, 0, 0] and rows[2] == [inf, inf, 0.0, inf]
+
+
+# ---------------------------------------------------------------------------------------------- a wrapped window
+
+def _step_both(fast, slow, seqs, pos=None):
+    """One decode step of ``seqs`` (one token each) on both caches (KVCache or KVCacheISWA), compared between
+    init_batch and apply too (prepare must leave what the general path leaves); the contexts."""
+    ctxs = []
+    for kv in (fast, slow):
+        ba = BatchAllocator(1)
+        p = None if pos is None else np.array(pos, np.int32)
+        ba.init(Batch(token=np.full(len(seqs), 3, np.int32), pos=p, seq_id=np.array(seqs, np.int32)), N_VOCAB, kv,
+                16, kv.n_seq_max, False)
+        ctx = kv.init_batch(ba, 512)
+        assert ctx.get_status() == MemoryStatus.SUCCESS
+        ctxs.append(ctx)
+    for a, b in ((fast, slow),) if hasattr(fast, "book") else ((fast.get_base(), slow.get_base()),
+                                                                (fast.get_swa(), slow.get_swa())):
+        same_cache(a, b)
+    for ctx in ctxs:
+        ctx.apply()  # (one ubatch: the context stays on it)
+    return ctxs
+
+
+@pytest.mark.parametrize("swa_type", [SwaType.STANDARD, SwaType.CHUNKED, SwaType.SYMMETRIC])
+@pytest.mark.parametrize("n_seq,unified", [(1, True), (3, True), (3, False)])
+def test_wrapped_window_takes_the_scalar_paths(swa_type, n_seq, unified):
+    """Steps of one token per sequence around a small cache several times: once the window has wrapped every step
+    lands on a cell it left behind, and the scalar search, prepare and apply serve each of them (counted), with the
+    general path's cells, slots and masks."""
+    kv_size, n_swa = (3 * n_seq if unified else 4), 2  # (a slot that would run past the end: the general search)
+    fast = make_cache(kv_size, n_seq, unified, n_swa=n_swa, swa_type=swa_type)
+    slow = make_cache(kv_size, n_seq, unified, n_swa=n_swa, swa_type=swa_type)
+    general(slow)
+    n_steps = 4 * kv_size // (n_seq if unified else 1)
+    for step in range(n_steps):
+        ca, cb = _step_both(fast, slow, list(range(n_seq)))
+        assert ca.get_sinfo().idxs[0].tolist() == cb.get_sinfo().idxs[0].tolist()
+        same_cache(fast, slow)
+        same_inputs(ca, cb, "f32")
+    stats, unused = fast.book.wrap_stats, slow.book.wrap_stats
+    per_step = 1 if unified else n_seq   # slot_run: once per stream
+    wrapped = n_steps - kv_size // (n_seq if unified else 1)
+    # CHUNKED keeps a whole chunk: a step may find the head cell still in the window (then the general search)
+    if swa_type != SwaType.CHUNKED:
+        assert stats.found == wrapped * per_step and stats.kept == stats.placed == wrapped
+    else:
+        assert stats.kept == stats.placed > 0 and stats.found > 0
+    assert (unused.found, unused.kept, unused.placed) == (0, 0, 0)
+    # the ring: the cache holds the last kv_size positions of each sequence
+    for s in range(n_seq):
+        assert fast.seq_pos_max(s) == n_steps - 1
+
+
+def test_wrapped_window_purges_as_the_general_path():
+    """A step over a cell whose position is not its sequence's oldest: the placement purges the older ones.  Through
+    init_batch, prepare's placement purges (and its roll-back keeps the purge: the scalar check declines); through
+    find_slot + apply_ubatch, apply purges (the scalar path does)."""
+    fast, slow = (make_cache(8, 1, n_swa=2, swa_type=SwaType.STANDARD) for _ in range(2))
+    general(slow)
+    for direct in (False, True):
+        for kv in (fast, slow):
+            kv.clear()
+        for p in range(8):
+            _step_both(fast, slow, [0])
+        for kv in (fast, slow):
+            kv.seq_rm(0, 3, 4)  # cell 3 freed, the head lowered to it
+        _step_both(fast, slow, [0])  # position 8 into cell 3
+        placed = fast.book.wrap_stats.placed
+        if direct:  # position 9 over cell 4 (position 4): positions 0..4 purged by apply
+            for kv in (fast, slow):
+                ba = BatchAllocator(1)
+                ba.init(Batch(token=np.full(1, 3, np.int32), seq_id=np.zeros(1, np.int32)), N_VOCAB, kv, 16, 1, False)
+                ub = kv.book.split(ba, 512)[0]
+                sinfo = kv.find_slot(ub)
+                assert sinfo.idxs[0].tolist() == [4]
+                kv.apply_ubatch(sinfo, ub)
+            assert fast.book.wrap_stats.placed == placed + 1
+        else:  # the same through init_batch: prepare purges 0..2, apply then purges nothing more
+            ca, cb = _step_both(fast, slow, [0])
+            same_inputs(ca, cb, "f16")
+        same_cache(fast, slow)
+        assert fast.seq_pos_min(0) == 5 and fast.v_cells[0].get_used() == 5
+        assert fast.v_cells[0].pos_array.tolist() == [-1, -1, -1, 8, 9, 5, 6, 7]
+
+
+def test_iswa_wrapped_window_matches_the_general_path():
+    """The iSWA pair over a wrapped SWA cache, fast paths on and off: the same cells in both caches after every
+    step, the same SWA masks, and the SWA cache's steps taken by the scalar paths."""
+    from kvcache_ggml.hparams import HParams
+    from kvcache_ggml.iswa import KVCacheISWA
+
+    class SwaModel:
+        def __init__(self):
+            self.hparams = HParams.simple(n_layer=4, n_embd_head=8, n_head=2, n_head_kv=1, n_swa=3,
+                                          swa_type=SwaType.STANDARD)
+            self.hparams.set_swa_pattern(2)
+
+        def dev_layer(self, il):
+            return None
+
+    pair = [KVCacheISWA(SwaModel(), kv_size=512, n_seq_max=2, unified=True, n_ubatch=8) for _ in range(2)]
+    fast, slow = pair
+    for kv in (slow.get_base(), slow.get_swa()):
+        general(kv)
+    n_swa_cells = fast.get_swa().get_size()
+    try:
+        for step in range(n_swa_cells // 2 + 40):
+            ca, cb = _step_both(fast, slow, [0, 1])
+            for a, b in ((fast.get_base(), slow.get_base()), (fast.get_swa(), slow.get_swa())):
+                same_cache(a, b)
+            same_inputs(ca.get_swa(), cb.get_swa(), "f32")
+        assert fast.get_swa().book.wrap_stats.placed == 40 and fast.get_swa().book.wrap_stats.kept == 40
+        assert fast.get_base().book.wrap_stats.placed == 0
+    finally:
+        for kv in pair:
+            kv.close()

@@ -29,6 +29,7 @@ from ..batch import BatchAllocator, UBatch
 from ..cells import KVCells
 from ..hparams import SwaType, is_masked_swa_np
 from .celltext import cell_map_text, cell_pos_text
+from .swa_step import WrapStats, place_over, rolls_back_clean, slot_run
 from .types import KVCacheParams, SlotInfo, StreamCopyInfo
 
 __all__ = ["KVBookkeeping"]
@@ -62,6 +63,7 @@ class KVBookkeeping:
         dbg = os.environ.get("LLAMA_KV_CACHE_DEBUG")
         self.debug = int(dbg) if dbg and dbg.lstrip("-").isdigit() else 0  # the seed's debug level
         self.fast = True  # decode fast paths on (the equivalence tests turn them off to compare)
+        self.wrap_stats = WrapStats()  # how often the scalar paths over a wrapped window served
         # read-only 0..kv_size-1: the one-cell slot of a decode step is a view of it (cheaper than a new array)
         self._cell_ids = np.arange(self.kv_size, dtype=np.int64)
         self._cell_ids.flags.writeable = False
@@ -267,19 +269,22 @@ class KVBookkeeping:
         ``apply_ubatch`` makes to keep sequences contiguous is not rolled back, and each head is restored from
         the saved head of the same *index* in the slot (``v_heads[strm[s]] = old[s]``).
         """
-        if len(ubatches) == 1 and self.no_swa:  # the decode step: one ubatch, on empty cells -- nothing to place
-            sinfo = self.find_slot(ubatches[0], False)
-            if not sinfo.idxs:
+        first = None
+        if len(ubatches) == 1 and (self.no_swa or self.fast):  # the decode step: nothing to place without SWA...
+            first = self.find_slot(ubatches[0], False)
+            if not first.idxs:
                 return []
-            if sinfo.strm[0] != 0 or sinfo.strm[-1] != len(sinfo.strm) - 1:  # (streams 0, 1, ...: no-op)
-                self._restore_heads(sinfo, list(self.v_heads))
-            return [sinfo]
+            # ... nor with SWA when the slot is empty or its placement and roll-back change nothing
+            if self.no_swa or rolls_back_clean(self, first, ubatches[0]):
+                if first.strm[0] != 0 or first.strm[-1] != len(first.strm) - 1:  # (streams 0, 1, ...: no-op)
+                    self._restore_heads(first, list(self.v_heads))
+                return [first]
         res: list[SlotInfo] = []
         states = []
         success = True
         last = len(ubatches) - 1
         for k, ub in enumerate(ubatches):
-            sinfo = self.find_slot(ub, False)
+            sinfo = self.find_slot(ub, False) if first is None else first
             if not sinfo.idxs:  # (sinfo.empty())
                 success = False
                 break
@@ -351,13 +356,17 @@ class KVBookkeeping:
             return None
         if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_array.item(head_cur) < 0:
             return self._cell_ids[head_cur:head_cur + 1]  # the decode step: the head cell is free (always usable)
+        if self.fast and not cont:  # a few cells from the head, usable (free, or left behind by the window)?
+            h = slot_run(self, cells, head_cur, n_tokens)
+            if h is not None:
+                return self._cell_ids[h:h + n_tokens]
         return (self._scan_cont if cont else self._scan)(cells, head_cur, n_tokens)
 
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
         """Write the ubatch's positions and sequences into the slot's cells, then purge and move the heads."""
         assert ubatch.n_tokens == len(sinfo.strm) * len(sinfo.idxs[0]), "the ubatch does not fill its slot"
         is_2d = ubatch.is_pos_2d()
-        if self.fast and not is_2d and self._place_free(sinfo, ubatch):
+        if self.fast and not is_2d and (self._place_free(sinfo, ubatch) or place_over(self, sinfo, ubatch)):
             return
         n = sinfo.size()
         seq_pos_max_rm: dict[int, int] = {}
