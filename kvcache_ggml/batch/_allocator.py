@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
-from ._decode import init_decode
+from ._decode import init_decode, init_step
 from ._input import Batch, _filled
 from ._split import BatchSplitter, seq_groups
 from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, _TOKEN_IDS, UBatch, _atoi, _distinct,
@@ -104,6 +104,12 @@ class BatchAllocator(BatchSplitter):
             self._print_input(batch, pos_all, seqs, seq2d, n_seq_id, output, n_outputs, stats)
         self._check_consistency(batch, memory, seqs, mem_max, stats, pos0, seq2d, n_seq_id, has_cpl)
         self._commit(batch, pos_all, pos0, seq2d, seq0, n_seq_id, has_cpl, seqs, grp, stats, output, n_outputs)
+
+    def init_step(self, batch: Batch, n_vocab: int, memory: MemoryPositions, n_seq_max: int, n_ubatch: int,
+                  equal_seqs: bool) -> tuple[list[int], list[int]] | None:
+        """``init`` and the one split of a decode step whose every token is an output, without a UBatch (the
+        runtime's fused step): each token's sequence and position, or None -- call ``init`` then."""
+        return init_step(self, batch, n_vocab, memory, n_seq_max, n_ubatch, equal_seqs)
 
     # -- validation of the input --------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._consts import INT32_MAX, LLAMA_MAX_SEQ
 from ._input import Batch
-from ._ubatch import _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0
+from ._ubatch import _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _TOKEN_IDS
 
 if TYPE_CHECKING:
     from ._allocator import BatchAllocator, MemoryPositions
@@ -124,3 +124,28 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
     ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], batch.n_seq_id, False, seqs, None,
                {s: (p, p, 1) for s, p in zip(ids, plist)}, output, n_outputs)
     return True
+
+
+def init_step(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions, n_seq_max: int, n_ubatch: int,
+              equal_seqs: bool) -> tuple[list[int], list[int]] | None:
+    """init() and the whole split of a decode step whose every token is an output, for a fused step that makes no
+    UBatch: the allocator ends as after ``init`` and the one split (``split_equal(n_ubatch, True)`` with
+    ``equal_seqs``, else ``split_simple(n_ubatch)``) that takes every token.  Returns each token's sequence and
+    position, or None when the batch is not such a step or the split would differ; the allocator may then hold
+    the batch (``init`` starts again)."""
+    if not (ba.fast and ba._debug <= 0 and type(batch) is Batch and init_decode(ba, batch, n_vocab, memory,
+                                                                                  n_seq_max, False)):
+        return None
+    n = ba._n
+    if ba._n_outputs != n or n > n_ubatch:
+        return None
+    if n == 1:
+        seqs, pos = [ba._seq0.item(0)], [ba._pos0.item(0)]
+    else:
+        seqs, pos = ba._seq0.tolist(), ba._pos0.tolist()
+        # split_equal's sequential scan takes them all only when the ids are consecutive and rise in batch order
+        if equal_seqs and (seqs != ba._seqs or seqs[-1] - seqs[0] != n - 1):  # (_seqs: the ids, ascending)
+            return None
+    ba._n_used = ba._hint = n  # (the split of one sequence in split_equal marks its token in a mask instead)
+    ba._out_ids.append(_TOKEN_IDS[:n])
+    return seqs, pos

@@ -9,7 +9,9 @@ that owns the state it touches:
   cache's native handles), their views and stores, stream copies; :class:`~.shift.KShift` (``kshift``) builds and
   runs the K-shift graph over them;
 * :class:`~.inputs.KVInputs` (``inputs``) -- the graph inputs computed from the cells and a slot;
-* :class:`~.state_codec.StateCodec` (``codec``) -- save and restore, byte-compatible with llama.cpp.
+* :class:`~.state_codec.StateCodec` (``codec``) -- save and restore, byte-compatible with llama.cpp;
+* :class:`~.decode_step.CacheStep` (``step``) -- the runtime's fused decode step: placement and inputs in two calls,
+  with the results of the general path (no state of its own beyond the last step's cells).
 
 The facade itself orchestrates what spans parts: ``clear`` (cells and data), ``init_batch`` (split, then slots),
 ``update`` (stream copies, then the K-shift with its input from the cells).
@@ -28,6 +30,7 @@ from ..cells import KVCells
 from ..hparams import HParams, RopeType, SwaType
 from .bookkeeping import KVBookkeeping
 from .context import KVCacheContext
+from .decode_step import CacheStep
 from .inputs import KVInputs
 from .shift import KShift, ShiftGraph, UpdateContext
 from .state_codec import StateCodec
@@ -57,6 +60,7 @@ class KVCache:
         self.kshift = KShift(self.tensors)
         self.inputs = KVInputs(self.book, self.hparams, params.v_trans)
         self.codec = StateCodec(self.book, self.tensors)
+        self.step = CacheStep(self.book, self.inputs)        # the fused decode step's placement and inputs
 
     # ================================================================== parts' state, read-only views
 

@@ -30,6 +30,7 @@ class ArchRuntime:
     build: Callable[..., Any]            # (ctx, model, cparams, mctx, ubatch, key, *, flash_attn, fa_cast_f32_kv)
     set_inputs: Callable[..., None]      # (graph, mctx, ubatch, causal_attn)
     iswa: bool = False                   # create_memory makes a KVCacheISWA when the model has SWA layers
+    fused: bool = False                  # graph and set_inputs are graph.py's: the fused decode step applies
 
 
 def _plain_memory(model: Any, params: KVCacheParams, n_ubatch: int, swa_full: bool) -> KVCache:
@@ -40,7 +41,7 @@ def _plain_memory(model: Any, params: KVCacheParams, n_ubatch: int, swa_full: bo
 def _llama_runtime() -> ArchRuntime:
     from .model import Model
     return ArchRuntime(Model, _plain_memory, _llama.graph_capacity, _llama.graph_key, _llama.build_decoder,
-                       _llama.set_inputs)
+                       _llama.set_inputs, fused=True)
 
 
 def _gemma_runtime() -> ArchRuntime:

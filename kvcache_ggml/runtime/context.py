@@ -27,6 +27,7 @@ from ..cache import KVCache, KVCacheParams, MemoryStatus
 from ..cparams import CParams, ContextParams, RopeScalingType
 from ..state import load_seq_file, save_seq_file
 from .arch import runtime_for
+from .fused_step import fused_step
 from .graph import DecoderGraph
 
 __all__ = ["Context", "RuntimeParams", "DecodeError", "StepTimes"]
@@ -206,6 +207,7 @@ class Context:
         self._iota = np.arange(self.cparams.n_batch, dtype=np.int32)  # read-only 0..n_batch-1: output_ids
         self._iota.flags.writeable = False                       # of a batch whose every token is an output
         self._n_threads_set = 0                                  # what the CPU backend was last set to (0: unknown)
+        self.fused = fused_step(self)  # the decode step that computes the last graph again (None: general path only)
 
     # ------------------------------------------------------------------ decode
 
@@ -217,6 +219,10 @@ class Context:
         kv, tm, balloc = self.kv, self.times, self.balloc
         if kv is None:
             raise ValueError("the context is closed")
+        if self._prev is not None and self.fused is not None:
+            logits = self.fused(batch, self._prev)
+            if logits is not None:
+                return logits
         t0 = _perf()
         try:
             balloc.init(batch, self.n_vocab, kv, self._n_embd, self._balloc_seq_max, False)
@@ -318,10 +324,8 @@ class Context:
             self._n_threads_set = n_threads
         status = G.ggml_backend_sched_graph_compute(self._sched.ptr, g.graph.ptr)
         if status != _SUCCESS:
-            self._prev = None
-            self._forget_ubatch(ubatch)
-            code = -2 if status == G.Status.ALLOC_FAILED else 2 if status == G.Status.ABORTED else -3
-            raise DecodeError(code, f"graph compute returned {G.Status(status).name}")
+            self._fail_compute(status, zip(ubatch.seq_id[:ubatch.n_tokens, 0].tolist(),
+                                           ubatch.pos[:ubatch.n_tokens].tolist()))
         if n_outputs:
             g.read_logits(dst)
         tm.compute += _perf() - t2
@@ -339,14 +343,17 @@ class Context:
         self._prev = g
         return g
 
-    def _forget_ubatch(self, ubatch: Any) -> None:
-        """After a failed compute, remove the ubatch's positions from the cache (as llama_decode)."""
+    def _fail_compute(self, status: int, tokens: Any) -> None:
+        """After a failed compute: forget the graph, remove the ubatch's positions from the cache (each sequence's
+        from its smallest one, as llama_decode; ``tokens``: (sequence, position) of each token) and raise."""
+        self._prev = None
         pos_min: dict[int, int] = {}
-        for i in range(ubatch.n_tokens):
-            s = int(ubatch.seq_id[i, 0])
-            pos_min[s] = min(pos_min.get(s, 2**31 - 1), int(ubatch.pos[i]))
+        for s, p in tokens:
+            pos_min[s] = min(pos_min.get(s, 2**31 - 1), p)
         for s, p in sorted(pos_min.items()):
             self._kv().seq_rm(s, p, -1)
+        code = -2 if status == G.Status.ALLOC_FAILED else 2 if status == G.Status.ABORTED else -3
+        raise DecodeError(code, f"graph compute returned {G.Status(status).name}")
 
     def _memory_update(self, optimize: bool) -> bool:
         """Apply queued stream copies and a pending K-shift (llama_context::memory_update)."""

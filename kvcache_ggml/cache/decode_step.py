@@ -1,0 +1,144 @@
+"""The decode step in two calls: place one token per sequence, then fill its inputs (beyond llama.cpp; no ggml).
+
+The general step goes through five layers and their objects: ``split`` (a UBatch), ``prepare``/``find_slot`` (a
+SlotInfo), a KVCacheContext, ``apply_ubatch``, ``get_n_kv``, then ``set_input_*`` per input.  For the common step
+-- n tokens of n distinct sequences, each at its sequence's next position, each landing on the free cell at its
+stream's head -- the result of all that is a handful of facts: which cell each token takes, the ``n_kv`` the graph
+reads, and the inputs of those cells.  :class:`CacheStep` computes them directly from the bookkeeping:
+
+* :meth:`CacheStep.place` checks that the step is that simple case *and* that its slot and ``n_kv`` are those of
+  the graph the caller wants to compute again (llama.cpp's graph reuse), then places the tokens exactly as
+  ``apply_ubatch`` would (the same cells, positions, bits, heads, used range and change log); anything else
+  returns None with nothing changed, and the caller takes the general path;
+* :meth:`CacheStep.fill` writes the K/V destination rows and the kq mask rows into a graph's input views
+  (:meth:`KVCacheContext.input_views`), as ``fill_inputs`` would.
+
+What "simple" excludes: a sliding window, ALiBi (the mask rows need the positions), a cache whose fast paths are
+off, a head cell that is occupied or too close to the end (the slot search would scan), and several tokens in one
+stream that do not fit from the head on.  ``tests/test_fused_step.py`` runs a runtime with this step next to one
+without it on random traces and compares logits, cells, heads, inputs and state blobs after every decode.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..hparams import SwaType
+from .bookkeeping import KVBookkeeping
+from .inputs import KVInputs
+from .masks import mask_decode_row
+
+__all__ = ["CacheStep"]
+
+
+class CacheStep:
+    """The cache's side of the fused decode step (see the module docstring): :meth:`place`, then :meth:`fill`."""
+
+    def __init__(self, book: KVBookkeeping, inputs: KVInputs) -> None:
+        self.book = book                        # the cells, heads and streams the step places into
+        self.inputs = inputs                    # the mask rows and the V layout the step fills from
+        self.kv_size = book.kv_size             # cells per stream
+        # no window and no ALiBi: a placed token's mask row depends on the sequence bits alone (mask_rows.py)
+        self.plain = book.swa_type == SwaType.NONE and not inputs.hparams.use_alibi
+        self.strms: list[int] = []              # the stream of each token of the last place()
+        self.cells: list[int] = []              # the cell of each token of the last place()
+
+    def enabled(self) -> bool:
+        """The fused step may run: plain masks, fast paths on (the equivalence tests turn them off)."""
+        return self.plain and self.book.fast and self.inputs.fast
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self, seqs: list[int], pos: list[int], n_kv: int, s0: int, s1: int) -> bool:
+        """Place token k (sequence ``seqs[k]``, position ``pos[k]``) on the free head cell of its stream, as
+        split + prepare + apply_ubatch would, when the slot's streams are [s0, s1] and the cells to attend after
+        placing are ``n_kv``; False, with nothing changed, otherwise.
+
+        The caller has validated the batch: distinct sequences of this cache, ``pos[k]`` =
+        ``seq_pos_max(seqs[k]) + 1``, for several streams ``seqs`` rising by one (split_equal's order), no
+        pending update."""
+        book = self.book
+        if book.n_stream == 1:
+            return self._place_unified(seqs, pos, n_kv, s0, s1)
+        n_pad, size, v_cells, v_heads = book.n_pad_cur, self.kv_size, book.v_cells, book.v_heads
+        strms = [book.stream_of[s] for s in seqs]
+        if min(strms) != s0 or max(strms) != s1:
+            return False
+        cells, used = [], 0
+        for st in strms:
+            c = v_cells[st]
+            h = v_heads[st]
+            if h > c.get_used() + 2:  # find_slot's restart at cell 0 (one token per stream)
+                h = 0
+            if h >= size or c.pos_array.item(h) >= 0:
+                return False
+            cells.append(h)
+            used = max(used, c.used_max_p1(), h + 1)
+        if min(size, max(n_pad, (used + n_pad - 1) & ~(n_pad - 1))) != n_kv:
+            return False
+        for st, s, p, i in zip(strms, seqs, pos, cells):
+            v_cells[st].place_one(i, p, s)
+            v_heads[st] = i + 1
+        self.strms, self.cells = strms, cells
+        return True
+
+    def _place_unified(self, seqs: list[int], pos: list[int], n_kv: int, s0: int, s1: int) -> bool:
+        """place() in a one-stream cache: the tokens take the cells head, head + 1, ... in batch order."""
+        book = self.book
+        n = len(seqs)
+        c = book.v_cells[0]
+        h = book.v_heads[0]
+        if h > c.get_used() + 2 * n:  # find_slot's restart at cell 0
+            h = 0
+        pa = c.pos_array
+        if s0 or s1 or h + n > self.kv_size or (pa.item(h) >= 0 if n == 1 else np.count_nonzero(pa[h:h + n] >= 0)):
+            return False
+        n_pad = book.n_pad_cur
+        used = max(c.used_max_p1(), h + n)
+        if min(self.kv_size, max(n_pad, (used + n_pad - 1) & ~(n_pad - 1))) != n_kv:
+            return False
+        if n == 1:
+            c.place_one(h, pos[0], seqs[0])
+            cells = [h]
+        else:
+            cells = list(range(h, h + n))
+            for i, s, p in zip(cells, seqs, pos):
+                c.place_one(i, p, s)
+        book.v_heads[0] = h + n
+        self.strms, self.cells = [0] * n, cells
+        return True
+
+    # ------------------------------------------------------------------ inputs
+
+    def fill(self, views: tuple[np.ndarray, np.ndarray, np.ndarray], seqs: list[int], pos: list[int],
+             causal: bool) -> None:
+        """The k_idxs, v_idxs and kq-mask inputs of the tokens of the last :meth:`place` into ``views``
+        (:meth:`KVCacheContext.input_views` of the graph), the bytes ``fill_inputs`` writes."""
+        k_idxs, v_idxs, mask = views
+        size, strms, cells = self.kv_size, self.strms, self.cells
+        n = len(cells)
+        if n == 1:
+            k_idxs[0] = row = cells[0] + strms[0] * size
+        else:
+            rows = [i + st * size for st, i in zip(strms, cells)]
+            k_idxs[...] = rows
+        inputs = self.inputs
+        if inputs.v_trans:  # one index per V element: element j of a cell at j*kv_size, streams kv_size*n_embd apart
+            elem = inputs._v_elem_offs
+            ne = elem.shape[0]
+            if n == 1:
+                np.add(elem, cells[0] + strms[0] * size * ne, out=v_idxs)
+            else:
+                np.add(np.multiply(strms, size * ne)[:, None] + np.array(cells)[:, None], elem,
+                       out=v_idxs.reshape(n, ne))
+        elif n == 1:
+            v_idxs[0] = row
+        else:
+            v_idxs[...] = rows
+        if mask.size == 0:
+            return
+        mask_rows = inputs.mask_rows
+        if mask_rows.write_one(mask, seqs[0], pos[0], causal) if n == 1 else mask_rows.write(mask, seqs, pos, causal):
+            return
+        v_cells, stream_of = self.book.v_cells, self.book.stream_of
+        for k, (s, p) in enumerate(zip(seqs, pos)):  # the full build, row by row (one token per sequence)
+            mask_decode_row(mask[k], v_cells[stream_of[s]], s, p, causal)

@@ -1,0 +1,119 @@
+"""The runtime's fused decode step: a step that computes the previous graph again, in a few calls.
+
+:meth:`Context.decode` of a batch of n tokens of n distinct sequences, every one an output, usually ends up
+computing the graph of the step before (same ubatch shape, same ``n_kv``, same streams: llama.cpp's graph reuse).
+The general path gets there through the allocator's init and split (a UBatch), the cache's ``init_batch`` (a
+SlotInfo and a KVCacheContext), ``apply``, the graph key, ``set_inputs`` and the logits' reordering -- about fifty
+Python calls.  :class:`FusedStep` takes the same step in a dozen:
+
+1. ``BatchAllocator.init_step``: the batch's validation and its one split, the allocator left as the general path
+   leaves it, no UBatch;
+2. ``CacheStep.place``: each token on its stream's free head cell, only if the slot and ``n_kv`` are the previous
+   graph's (else nothing changes and the general path runs);
+3. the graph's host views: tokens, positions, output rows, then ``CacheStep.fill`` for the K/V rows and the mask;
+4. one C call to compute, one copy of the logits (rows already in batch order).
+
+Every check comes before the first change to the cache; a step that fails one takes the general path, which gives
+the same errors.  ``tests/test_fused_step.py`` compares two runtimes, one with ``Context.fused`` set to None, on
+random traces: logits, output ids, cells, heads, the allocator's getters and state blobs.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import _ggml as G
+from ..batch import Batch
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .graph import DecoderGraph
+
+__all__ = ["FusedStep"]
+
+_SUCCESS = int(G.Status.SUCCESS)
+
+
+class FusedStep:
+    """The fused decode step of one :class:`~.context.Context` (llama graphs over a plain KVCache)."""
+
+    def __init__(self, ctx: Context) -> None:
+        kv = ctx.kv
+        self.ctx = ctx                                          # the owner: graph, scheduler, threads, outputs
+        self.balloc = ctx.balloc                                # validates and splits the batch
+        self.book = kv.book                                     # the positions the batch continues
+        self.step = kv.step                                     # placement and inputs
+        self.has_pending_update = kv.has_pending_update         # stream copies or a K-shift: the general path
+        self.n_vocab = ctx.n_vocab
+        self.n_seq_max = ctx._balloc_seq_max                    # what the allocator checks sequence ids against
+        self.n_ubatch = ctx.cparams.n_ubatch
+        self.equal_seqs = kv.get_n_stream() > 1                 # split_equal (several streams) or split_simple
+        self.causal = bool(ctx.cparams.causal_attn)
+        self.times = ctx.times
+        self.n_steps = 0                                        # steps taken by this path (tests, notebooks)
+
+    def __call__(self, batch: Batch, g: DecoderGraph) -> np.ndarray | None:
+        """Decode ``batch`` by computing ``g`` again; its logits [n, n_vocab], or None (nothing done) when the
+        step is not one the fused path takes."""
+        key = g.key
+        if (g.kv_views is None or g.tokens_h is None or g.pos_h is None or g.out_ids_h is None or g.logits_h is None
+                or self.has_pending_update() or not self.step.enabled()):
+            return None
+        perf = time.perf_counter
+        t0 = perf()
+        try:
+            got = self.balloc.init_step(batch, self.n_vocab, self.book, self.n_seq_max, self.n_ubatch,
+                                        self.equal_seqs)
+        except ValueError:  # an invalid batch: the general path raises its own error
+            return None
+        if got is None:
+            return None
+        seqs, pos = got
+        n = len(seqs)
+        if n != key.n_tokens or n != key.n_outputs or key.n_stream != (n if self.equal_seqs else 1):
+            return None
+        t1 = perf()
+        if not self.step.place(seqs, pos, key.n_kv, key.s0, key.s1):
+            return None
+        t2 = perf()
+        g.tokens_h[...] = batch.token
+        g.pos_h[...] = batch.pos if batch.pos is not None else pos
+        g.out_ids_h[...] = g.out_rows
+        self.step.fill(g.kv_views, seqs, pos, self.causal)
+        t3 = perf()
+        logits = self._compute(g, seqs, pos)
+        tm = self.times
+        tm.batch += t1 - t0
+        tm.bookkeeping += t2 - t1
+        tm.inputs += t3 - t2
+        tm.compute += perf() - t3
+        tm.n_decode += 1
+        tm.n_ubatch += 1
+        tm.n_graph_reused += 1
+        tm.n_tokens += n
+        self.n_steps += 1
+        return logits
+
+    def _compute(self, g: DecoderGraph, seqs: list[int], pos: list[int]) -> np.ndarray:
+        ctx = self.ctx
+        n_threads = ctx.cparams.n_threads if len(seqs) == 1 else ctx.cparams.n_threads_batch
+        if n_threads != ctx._n_threads_set:
+            ctx._cpu.set_n_threads(n_threads)
+            ctx._n_threads_set = n_threads
+        status = G.ggml_backend_sched_graph_compute(ctx._sched.ptr, g.graph.ptr)
+        if status != _SUCCESS:
+            ctx._fail_compute(status, sorted(zip(seqs, pos)))
+        logits = g.logits_h.copy()
+        ctx.logits, ctx.output_ids = logits, ctx._iota[:len(seqs)]
+        return logits
+
+
+def fused_step(ctx: Context) -> Any:
+    """The context's fused step, or None where it does not apply (another architecture's graph, an iSWA memory,
+    graph reuse off)."""
+    from ..cache import KVCache
+    if not (ctx._rt.fused and type(ctx.kv) is KVCache and ctx.params.graph_reuse):
+        return None
+    return FusedStep(ctx)
