@@ -155,12 +155,12 @@ class KVCells(OneCellAPI):
     # ------------------------------------------------------------------ sequence positions
 
     def seq_pos_min(self, seq_id: int) -> int:
-        ms = self._seq_pos.get(seq_id)
-        return ms.keys[0] if ms else -1
+        ms = self._seq_pos.get(seq_id)  # (an emptied multiset is deleted: a present one has keys)
+        return ms.keys[0] if ms is not None else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
         ms = self._seq_pos.get(seq_id)
-        return ms.keys[-1] if ms else -1
+        return ms.keys[-1] if ms is not None else -1
 
     def seq_pos_bounds(self, seq_id: int) -> tuple[int, int]:
         """(seq_pos_min, seq_pos_max) in one call."""

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
-from ._decode import init_decode, init_step
+from ._decode import init_decode, init_step, init_step_one
 from ._input import Batch, _filled
 from ._split import BatchSplitter, seq_groups
 from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, _TOKEN_IDS, UBatch, _atoi, _distinct,
@@ -110,6 +110,13 @@ class BatchAllocator(BatchSplitter):
         """``init`` and the one split of a decode step whose every token is an output, without a UBatch (the
         runtime's fused step): each token's sequence and position, or None -- call ``init`` then."""
         return init_step(self, batch, n_vocab, memory, n_seq_max, n_ubatch, equal_seqs)
+
+    def init_step_one(self, batch: Batch, n_vocab: int, memory: MemoryPositions,
+                      n_seq_max: int) -> tuple[int, int] | None:
+        """:meth:`init_step` of a one-token batch: its (sequence, position), or None -- call ``init`` then."""
+        if not self.fast or self._debug > 0 or batch.n_tokens != 1:
+            return None
+        return init_step_one(self, batch, n_vocab, memory, n_seq_max)
 
     # -- validation of the input --------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ from .._consts import INT32_MAX, LLAMA_MAX_SEQ
 from ._input import Batch
 from ._ubatch import _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _TOKEN_IDS
 
+_TOKEN_ID0 = _TOKEN_IDS[:1]  # the output ids of a one-token batch (a view of _TOKEN_IDS: out_ids_in_order)
+
 if TYPE_CHECKING:
     from ._allocator import BatchAllocator, MemoryPositions
 
@@ -31,7 +33,7 @@ def init_decode(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPo
         return False
     try:
         if batch.n_tokens == 1:
-            return _init_one(ba, batch, n_vocab, memory, n_seq_max, output_all)
+            return _init_one(ba, batch, n_vocab, memory, n_seq_max, output_all) is not None
         return _init_many(ba, batch, n_vocab, memory, n_seq_max, output_all)
     except BaseException:  # the memory raised: no batch, as after the general path's failure
         ba._clear()
@@ -39,42 +41,42 @@ def init_decode(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPo
 
 
 def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
-              output_all: bool) -> bool:
-    """init_decode of one token, with scalar Python."""
+              output_all: bool) -> tuple[int, int] | None:
+    """init_decode of one token, with scalar Python: (its sequence, its position), or None."""
     if not 0 <= batch.token.item(0) < n_vocab:
-        return False
+        return None
     seq2d = batch.seq_id
     if seq2d is None:
         seq2d, n_seq_id, s = _ONE_SEQ0, _ONE_N_SEQ_ID, 0
     else:
         if seq2d.shape[1] != 1:
-            return False
+            return None
         s, n_seq_id = seq2d.item(0), batch.n_seq_id
         if not 0 <= s < n_seq_max:
-            return False
+            return None
     m = -1 if memory is None else memory.seq_pos_max(s)
     pos_all = batch.pos
     if pos_all is None:
         p = m + 1
         if p > INT32_MAX:
-            return False
+            return None
         pos_all = pos0 = np.array([p], np.int32)
     else:
         if pos_all.shape[0] != 1:
-            return False
+            return None
         pos0, p = pos_all, pos_all.item(0)  # (shape (1,): the whole array)
     if p < -1 or (m >= 0 and p != m + 1):  # (the general path's errors)
-        return False
+        return None
     output = batch.logits
     if output is None:
         output, n_outputs = _ONE_OUT, 1
     else:
         n_outputs = int(output.item(0) != 0)
         if output_all and not n_outputs:
-            return False  # the general path warns and overrides
+            return None  # the general path warns and overrides
     ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], n_seq_id, False, [s], None, {s: (p, p, 1)}, output,
                n_outputs)
-    return True
+    return s, p
 
 
 def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
@@ -128,24 +130,39 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
 
 def init_step(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions, n_seq_max: int, n_ubatch: int,
               equal_seqs: bool) -> tuple[list[int], list[int]] | None:
-    """init() and the whole split of a decode step whose every token is an output, for a fused step that makes no
-    UBatch: the allocator ends as after ``init`` and the one split (``split_equal(n_ubatch, True)`` with
-    ``equal_seqs``, else ``split_simple(n_ubatch)``) that takes every token.  Returns each token's sequence and
-    position, or None when the batch is not such a step or the split would differ; the allocator may then hold
-    the batch (``init`` starts again)."""
+    """init() and the whole split of a decode step of several tokens whose every one is an output, for a fused step
+    that makes no UBatch: the allocator ends as after ``init`` and the one split (``split_equal(n_ubatch, True)``
+    with ``equal_seqs``, else ``split_simple(n_ubatch)``) that takes every token.  Returns each token's sequence
+    and position, or None when the batch is not such a step or the split would differ; the allocator may then hold
+    the batch (``init`` starts again).  A one-token batch: :func:`init_step_one`."""
     if not (ba.fast and ba._debug <= 0 and type(batch) is Batch and init_decode(ba, batch, n_vocab, memory,
                                                                                   n_seq_max, False)):
         return None
     n = ba._n
     if ba._n_outputs != n or n > n_ubatch:
         return None
-    if n == 1:
-        seqs, pos = [ba._seq0.item(0)], [ba._pos0.item(0)]
-    else:
-        seqs, pos = ba._seq0.tolist(), ba._pos0.tolist()
-        # split_equal's sequential scan takes them all only when the ids are consecutive and rise in batch order
-        if equal_seqs and (seqs != ba._seqs or seqs[-1] - seqs[0] != n - 1):  # (_seqs: the ids, ascending)
-            return None
+    seqs, pos = ba._seq0.tolist(), ba._pos0.tolist()
+    # split_equal's sequential scan takes them all only when the ids are consecutive and rise in batch order
+    if equal_seqs and n > 1 and (seqs != ba._seqs or seqs[-1] - seqs[0] != n - 1):  # (_seqs: the ids, ascending)
+        return None
     ba._n_used = ba._hint = n  # (the split of one sequence in split_equal marks its token in a mask instead)
     ba._out_ids.append(_TOKEN_IDS[:n])
     return seqs, pos
+
+
+def init_step_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions,
+                  n_seq_max: int) -> tuple[int, int] | None:
+    """:func:`init_step` of a one-token batch (the caller has checked ``batch.n_tokens == 1`` and that the
+    allocator's fast path is on): the token's (sequence, position), or None."""
+    if type(batch) is not Batch or batch.token is None or ba.n_pos_per_embd != 1:
+        return None
+    try:
+        got = _init_one(ba, batch, n_vocab, memory, n_seq_max, False)
+    except BaseException:  # the memory raised: no batch, as after the general path's failure
+        ba._clear()
+        raise
+    if got is None or not ba._n_outputs:
+        return None
+    ba._n_used = ba._hint = 1
+    ba._out_ids.append(_TOKEN_ID0)
+    return got

@@ -41,12 +41,42 @@ class CacheStep:
         self.plain = book.swa_type == SwaType.NONE and not inputs.hparams.use_alibi
         self.strms: list[int] = []              # the stream of each token of the last place()
         self.cells: list[int] = []              # the cell of each token of the last place()
+        self.strm_one = self.cell_one = -1      # the stream and cell of the token of the last place_one()
 
-    def enabled(self) -> bool:
-        """The fused step may run: plain masks, fast paths on (the equivalence tests turn them off)."""
-        return self.plain and self.book.fast and self.inputs.fast
+    def ready(self) -> bool:
+        """The fused step may run now: plain masks, fast paths on (the equivalence tests turn them off), and no
+        pending update (stream copies or a K-shift: the general path applies it first)."""
+        book = self.book
+        if not (self.plain and book.fast and self.inputs.fast) or book.sc_info.ssrc:
+            return False
+        for c in book.v_cells:
+            if c.get_has_shift():
+                return False
+        return True
 
     # ------------------------------------------------------------------ placement
+
+    def place_one(self, s: int, p: int, n_kv: int, s0: int, s1: int) -> bool:
+        """:meth:`place` of one token (sequence ``s``, position ``p``), without lists."""
+        book = self.book
+        st = book.stream_of[s]
+        c = book.v_cells[st]
+        h = book.v_heads[st]
+        if h > c.get_used() + 2:  # find_slot's restart at cell 0
+            h = 0
+        size = self.kv_size
+        if st != s0 or st != s1 or h >= size or c.pos_array.item(h) >= 0:
+            return False
+        used = c.used_max_p1()
+        if used <= h:
+            used = h + 1
+        n_pad = book.n_pad_cur
+        if min(size, max(n_pad, (used + n_pad - 1) & ~(n_pad - 1))) != n_kv:
+            return False
+        c.place_one(h, p, s)
+        book.v_heads[st] = h + 1
+        self.strm_one, self.cell_one = st, h
+        return True
 
     def place(self, seqs: list[int], pos: list[int], n_kv: int, s0: int, s1: int) -> bool:
         """Place token k (sequence ``seqs[k]``, position ``pos[k]``) on the free head cell of its stream, as
@@ -89,25 +119,35 @@ class CacheStep:
         h = book.v_heads[0]
         if h > c.get_used() + 2 * n:  # find_slot's restart at cell 0
             h = 0
-        pa = c.pos_array
-        if s0 or s1 or h + n > self.kv_size or (pa.item(h) >= 0 if n == 1 else np.count_nonzero(pa[h:h + n] >= 0)):
+        if s0 or s1 or h + n > self.kv_size or np.count_nonzero(c.pos_array[h:h + n] >= 0):
             return False
         n_pad = book.n_pad_cur
         used = max(c.used_max_p1(), h + n)
         if min(self.kv_size, max(n_pad, (used + n_pad - 1) & ~(n_pad - 1))) != n_kv:
             return False
-        if n == 1:
-            c.place_one(h, pos[0], seqs[0])
-            cells = [h]
-        else:
-            cells = list(range(h, h + n))
-            for i, s, p in zip(cells, seqs, pos):
-                c.place_one(i, p, s)
+        cells = list(range(h, h + n))
+        for i, s, p in zip(cells, seqs, pos):
+            c.place_one(i, p, s)
         book.v_heads[0] = h + n
         self.strms, self.cells = [0] * n, cells
         return True
 
     # ------------------------------------------------------------------ inputs
+
+    def fill_one(self, views: tuple[np.ndarray, np.ndarray, np.ndarray], s: int, p: int, causal: bool) -> None:
+        """:meth:`fill` of the one token of the last :meth:`place_one` (sequence ``s``, position ``p``)."""
+        k_idxs, v_idxs, mask = views
+        st, i = self.strm_one, self.cell_one
+        size = self.kv_size
+        k_idxs[0] = row = i + st * size
+        inputs = self.inputs
+        if inputs.v_trans:  # one index per V element: element j of the cell at j*kv_size, streams kv_size*n_embd apart
+            elem = inputs._v_elem_offs
+            np.add(elem, i + st * size * elem.shape[0], out=v_idxs)
+        else:
+            v_idxs[0] = row
+        if not inputs.mask_rows.write_one(mask, s, p, causal):
+            mask_decode_row(mask[0], self.book.v_cells[st], s, p, causal)
 
     def fill(self, views: tuple[np.ndarray, np.ndarray, np.ndarray], seqs: list[int], pos: list[int],
              causal: bool) -> None:
@@ -116,28 +156,16 @@ class CacheStep:
         k_idxs, v_idxs, mask = views
         size, strms, cells = self.kv_size, self.strms, self.cells
         n = len(cells)
-        if n == 1:
-            k_idxs[0] = row = cells[0] + strms[0] * size
-        else:
-            rows = [i + st * size for st, i in zip(strms, cells)]
-            k_idxs[...] = rows
+        rows = [i + st * size for st, i in zip(strms, cells)]
+        k_idxs[...] = rows
         inputs = self.inputs
         if inputs.v_trans:  # one index per V element: element j of a cell at j*kv_size, streams kv_size*n_embd apart
             elem = inputs._v_elem_offs
-            ne = elem.shape[0]
-            if n == 1:
-                np.add(elem, cells[0] + strms[0] * size * ne, out=v_idxs)
-            else:
-                np.add(np.multiply(strms, size * ne)[:, None] + np.array(cells)[:, None], elem,
-                       out=v_idxs.reshape(n, ne))
-        elif n == 1:
-            v_idxs[0] = row
+            np.add(np.multiply(strms, size * elem.shape[0])[:, None] + np.array(cells)[:, None], elem,
+                   out=v_idxs.reshape(n, elem.shape[0]))
         else:
             v_idxs[...] = rows
-        if mask.size == 0:
-            return
-        mask_rows = inputs.mask_rows
-        if mask_rows.write_one(mask, seqs[0], pos[0], causal) if n == 1 else mask_rows.write(mask, seqs, pos, causal):
+        if inputs.mask_rows.write(mask, seqs, pos, causal):
             return
         v_cells, stream_of = self.book.v_cells, self.book.stream_of
         for k, (s, p) in enumerate(zip(seqs, pos)):  # the full build, row by row (one token per sequence)

@@ -41,30 +41,41 @@ class FusedStep:
 
     def __init__(self, ctx: Context) -> None:
         kv = ctx.kv
+        book = kv.book
         self.ctx = ctx                                          # the owner: graph, scheduler, threads, outputs
         self.balloc = ctx.balloc                                # validates and splits the batch
-        self.book = kv.book                                     # the positions the batch continues
         self.step = kv.step                                     # placement and inputs
-        self.has_pending_update = kv.has_pending_update         # stream copies or a K-shift: the general path
         self.n_vocab = ctx.n_vocab
-        self.n_seq_max = ctx._balloc_seq_max                    # what the allocator checks sequence ids against
+        # the sequence ids the allocator accepts: those of the cache (the general path's allocator takes any id
+        # below LLAMA_MAX_SEQ in a unified cache, then the cache refuses the others; the fused one leaves them to it)
+        self.n_seq_max = book.n_seq_max
+        # what the batch's positions continue: the one stream's cells (their seq_pos_max without the id check: the
+        # ids are in range), else the bookkeeping (the stream of each sequence)
+        self.memory = book.v_cells[0] if book.n_stream == 1 else book
         self.n_ubatch = ctx.cparams.n_ubatch
-        self.equal_seqs = kv.get_n_stream() > 1                 # split_equal (several streams) or split_simple
+        self.equal_seqs = book.n_stream > 1                     # split_equal (several streams) or split_simple
         self.causal = bool(ctx.cparams.causal_attn)
         self.times = ctx.times
         self.n_steps = 0                                        # steps taken by this path (tests, notebooks)
+        self._iota1 = ctx._iota[:1]                             # the output ids of a one-token step (read-only)
+        self._graph: DecoderGraph | None = None                 # the last graph found with host views of all
 
     def __call__(self, batch: Batch, g: DecoderGraph) -> np.ndarray | None:
         """Decode ``batch`` by computing ``g`` again; its logits [n, n_vocab], or None (nothing done) when the
         step is not one the fused path takes."""
-        key = g.key
-        if (g.kv_views is None or g.tokens_h is None or g.pos_h is None or g.out_ids_h is None or g.logits_h is None
-                or self.has_pending_update() or not self.step.enabled()):
+        if g is not self._graph:  # (a graph's views are set when it is first filled, then kept)
+            if any(v is None for v in (g.kv_views, g.tokens_h, g.pos_h, g.out_ids_h, g.logits_h)):
+                return None
+            self._graph = g
+        if not self.step.ready():
             return None
+        if batch.n_tokens == 1:
+            return self._one(batch, g)
+        key = g.key
         perf = time.perf_counter
         t0 = perf()
         try:
-            got = self.balloc.init_step(batch, self.n_vocab, self.book, self.n_seq_max, self.n_ubatch,
+            got = self.balloc.init_step(batch, self.n_vocab, self.memory, self.n_seq_max, self.n_ubatch,
                                         self.equal_seqs)
         except ValueError:  # an invalid batch: the general path raises its own error
             return None
@@ -79,34 +90,60 @@ class FusedStep:
             return None
         t2 = perf()
         g.tokens_h[...] = batch.token
-        g.pos_h[...] = batch.pos if batch.pos is not None else pos
+        g.pos_h[...] = pos
         g.out_ids_h[...] = g.out_rows
         self.step.fill(g.kv_views, seqs, pos, self.causal)
-        t3 = perf()
-        logits = self._compute(g, seqs, pos)
-        tm = self.times
-        tm.batch += t1 - t0
-        tm.bookkeeping += t2 - t1
-        tm.inputs += t3 - t2
-        tm.compute += perf() - t3
-        tm.n_decode += 1
-        tm.n_ubatch += 1
-        tm.n_graph_reused += 1
-        tm.n_tokens += n
-        self.n_steps += 1
-        return logits
+        return self._compute(g, seqs, pos, t0, t1, t2)
 
-    def _compute(self, g: DecoderGraph, seqs: list[int], pos: list[int]) -> np.ndarray:
+    def _one(self, batch: Batch, g: DecoderGraph) -> np.ndarray | None:
+        """The step of one token (the same as above without lists)."""
+        key = g.key
+        if key.n_tokens != 1 or key.n_outputs != 1:
+            return None
+        perf = time.perf_counter
+        t0 = perf()
+        try:
+            got = self.balloc.init_step_one(batch, self.n_vocab, self.memory, self.n_seq_max)
+        except ValueError:  # an invalid batch: the general path raises its own error
+            return None
+        if got is None:
+            return None
+        s, p = got
+        t1 = perf()
+        step = self.step
+        if not step.place_one(s, p, key.n_kv, key.s0, key.s1):
+            return None
+        t2 = perf()
+        g.tokens_h[0] = batch.token.item(0)
+        g.pos_h[0] = p
+        g.out_ids_h[0] = 0
+        step.fill_one(g.kv_views, s, p, self.causal)
+        return self._compute(g, (s,), (p,), t0, t1, t2)
+
+    def _compute(self, g: DecoderGraph, seqs: Any, pos: Any, t0: float, t1: float, t2: float) -> np.ndarray:
+        """Compute ``g`` (its inputs filled), take its logits and account the step's time."""
+        t3 = time.perf_counter()
         ctx = self.ctx
-        n_threads = ctx.cparams.n_threads if len(seqs) == 1 else ctx.cparams.n_threads_batch
+        n = len(seqs)
+        n_threads = ctx.cparams.n_threads if n == 1 else ctx.cparams.n_threads_batch
         if n_threads != ctx._n_threads_set:
             ctx._cpu.set_n_threads(n_threads)
             ctx._n_threads_set = n_threads
         status = G.ggml_backend_sched_graph_compute(ctx._sched.ptr, g.graph.ptr)
         if status != _SUCCESS:
-            ctx._fail_compute(status, sorted(zip(seqs, pos)))
+            ctx._fail_compute(status, zip(seqs, pos))
         logits = g.logits_h.copy()
-        ctx.logits, ctx.output_ids = logits, ctx._iota[:len(seqs)]
+        ctx.logits, ctx.output_ids = logits, self._iota1 if n == 1 else ctx._iota[:n]
+        tm = self.times
+        tm.batch += t1 - t0
+        tm.bookkeeping += t2 - t1
+        tm.inputs += t3 - t2
+        tm.compute += time.perf_counter() - t3
+        tm.n_decode += 1
+        tm.n_ubatch += 1
+        tm.n_graph_reused += 1
+        tm.n_tokens += n
+        self.n_steps += 1
         return logits
 
 
