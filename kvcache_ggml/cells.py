@@ -54,7 +54,8 @@ class KVCells(OneCellAPI):
     """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``); the one-cell methods are
     :class:`~kvcache_ggml.cellapi.OneCellAPI`'s."""
 
-    __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_used", "_seq_pos", "_log", "_newest")
+    __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_used", "_seq_pos", "_log", "_newest", "_pos_m",
+                 "_seq_m")
 
     def __init__(self, size: int = 0) -> None:
         self._pos = np.empty(0, np.int32)                # [size] position, -1 = empty
@@ -66,7 +67,14 @@ class KVCells(OneCellAPI):
         self._seq_pos: dict[int, PosMultiset] = {}      # seq id -> multiset of its positions
         self._log = ChangeLog(0)                         # cells whose sequence set changed
         self._newest: dict[int, int] = {}                # seq id -> cell of its last placement (a hint only)
+        # memoryviews of _pos and _seq for the decode step's scalar reads and writes (a few times cheaper than
+        # numpy's item access); _views() makes them again whenever the arrays are replaced
+        self._pos_m = self._seq_m = memoryview(b"")
         self.resize(size)
+
+    def _views(self) -> None:
+        self._pos_m = memoryview(self._pos)
+        self._seq_m = memoryview(self._seq)
 
     # ------------------------------------------------------------------ whole-stream operations
 
@@ -95,6 +103,7 @@ class KVCells(OneCellAPI):
         self._shift = np.zeros(n, np.int32)
         self._ext = np.zeros((n, 2), np.int32)
         self._seq = np.zeros((SEQ_WORDS, n), np.uint64)
+        self._views()
         self._log.max_cells = max(64, n // 8)  # patching more cells than this costs about a rebuild
         self.reset()
 
@@ -129,6 +138,7 @@ class KVCells(OneCellAPI):
         res._shift = np.zeros(idxs.size, np.int32)
         res._ext = self._ext[idxs]
         res._seq = self._seq[:, idxs]
+        res._views()
         res._rebuild_indices()
         return res
 
@@ -178,6 +188,14 @@ class KVCells(OneCellAPI):
         return True
 
     # ------------------------------------------------------------------ vectorised queries
+
+    def pos_at(self, i: int) -> int:
+        """The position of cell ``i`` (-1: empty), a Python int."""
+        return self._pos_m[i]
+
+    def seq_word(self, w: int, i: int) -> int:
+        """Word ``w`` of cell ``i``'s sequence bitset (sequences 64*w .. 64*w + 63), a Python int."""
+        return self._seq_m[w, i]
 
     @property
     def pos_array(self) -> np.ndarray:
@@ -469,10 +487,10 @@ class KVCells(OneCellAPI):
 
     def place_one(self, i: int, p: int, s: int) -> None:
         """place() of one cell ``i``, position ``p``, sequence ``s`` with scalar Python (the decode step)."""
-        self._pos[i] = p
+        self._pos_m[i] = p
         self._used.insert_one(i)
-        w = s >> 6
-        self._seq[w, i] = self._seq.item(w, i) | 1 << (s & 63)
+        w, seq_m = s >> 6, self._seq_m
+        seq_m[w, i] = seq_m[w, i] | 1 << (s & 63)
         ms = self._seq_pos.get(s)
         if ms is not None and p > ms.keys[-1]:  # ms.inc(p) past the largest position
             ms.keys.append(p)

@@ -50,6 +50,20 @@ def _filled(n: int, value: int) -> np.ndarray:
     return out
 
 
+_ONES: dict[int, np.ndarray] = {}  # n -> read-only int32 [n] of ones: the n_seq_id of n tokens of one id each
+
+
+def _ones(n: int) -> np.ndarray:
+    """A read-only int32 [n] of ones, shared (made once per n up to 256: the decode step's n_seq_id)."""
+    out = _ONES.get(n)
+    if out is None:
+        out = _filled(n, 1)
+        out.flags.writeable = False
+        if n <= 256:
+            _ONES[n] = out
+    return out
+
+
 def _seq_id_rows(value: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-token lists of sequence ids -> (int32 [n, w] padded with -1, int32 n_seq_id [n])."""
     arr = None
@@ -96,7 +110,8 @@ class Batch:
       ``pos[d*n_tokens + i]``; missing -> continued from the memory by the allocator.
     * ``seq_id``: per token a list of sequence ids (ragged lists, a 1-D array of one id per token, or a 2-D
       [n_tokens, k] array); missing -> sequence 0.  ``n_seq_id`` (optional, with a 2-D ``seq_id``) says how many
-      leading entries of each row count, as in llama_batch.
+      leading entries of each row count, as in llama_batch; missing -> filled in (for one id per token: a shared
+      read-only array of ones).
     * ``logits``: output flags [n_tokens] (bool or int8); missing -> decided by the allocator.
 
     Numpy arrays of the right dtype are referenced, not copied.
@@ -199,7 +214,7 @@ class Batch:
                 seq = self.seq_id = seq.reshape(n, 1)
             elif shape != (n, 1):
                 return False
-            self.n_seq_id = _filled(n, 1)
+            self.n_seq_id = _ones(n)  # (read-only, shared: filled in, not the caller's)
         self.n_tokens = n
         return True
 

@@ -65,7 +65,7 @@ class CacheStep:
         if h > c.get_used() + 2:  # find_slot's restart at cell 0
             h = 0
         size = self.kv_size
-        if st != s0 or st != s1 or h >= size or c.pos_array.item(h) >= 0:
+        if st != s0 or st != s1 or h >= size or c.pos_at(h) >= 0:
             return False
         used = c.used_max_p1()
         if used <= h:
@@ -99,7 +99,7 @@ class CacheStep:
             h = v_heads[st]
             if h > c.get_used() + 2:  # find_slot's restart at cell 0 (one token per stream)
                 h = 0
-            if h >= size or c.pos_array.item(h) >= 0:
+            if h >= size or c.pos_at(h) >= 0:
                 return False
             cells.append(h)
             used = max(used, c.used_max_p1(), h + 1)

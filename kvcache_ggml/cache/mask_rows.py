@@ -41,7 +41,7 @@ class _Block:
     ``epoch``."""
 
     __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "frows", "seqs", "row_of", "row_map", "used",
-                 "n_valid", "epoch", "seen", "tick", "last_view")
+                 "n_valid", "epoch", "seen", "tick", "last_view", "rows_m", "neg_i")
 
     def __init__(self, cells: KVCells, ftype: np.dtype, budget: int) -> None:
         self.cells = cells                                  # the stream's cells
@@ -50,6 +50,8 @@ class _Block:
         self.cap = max(1, budget // (cells.size() * ftype.itemsize))  # rows the budget allows
         self.rows = np.empty((min(self.cap, 8), cells.size()), self.itype)  # [n_rows, size] bit patterns
         self.frows = self.rows.view(ftype)                  # the same as the mask's floats (0 and -inf): copied out
+        self.rows_m = memoryview(self.rows)                 # the same for scalar writes (the decode step's patch)
+        self.neg_i = int(self.neg)                          # -inf's bit pattern as a Python int
         self.seqs: list[int] = []                           # sequence of each row
         self.row_of: dict[int, int] = {}                    # sequence -> its row
         self.row_map = np.full(LLAMA_MAX_SEQ, -1, np.int32)  # the same as an array (-1: no row)
@@ -85,14 +87,14 @@ class _Block:
 
     def _patch_ones(self, cells: list[int], seqs: list[int], a: int, b: int) -> None:
         """Recompute entries [a, b) of the single-cell changes: each in its sequence's row only."""
-        row_of = self.row_of
+        row_of, seq_word = self.row_of, self.cells.seq_word
         for k in range(a, b):
             s = seqs[k]
             r = row_of.get(s)
             if r is not None:
                 i = cells[k]
                 if i < self.n_valid:
-                    self.rows[r, i] = 0 if self.cells.seq_bits.item(s >> 6, i) >> (s & 63) & 1 else self.neg
+                    self.rows_m[r, i] = 0 if seq_word(s >> 6, i) >> (s & 63) & 1 else self.neg_i
 
     def _patch(self, log: ChangeLog) -> bool:
         """Recompute what the entries logged since ``seen`` changed: a single (cell, sequence) change touches that
@@ -157,7 +159,7 @@ class _Block:
             if r == self.rows.shape[0]:  # grow the storage (doubling, up to the budget)
                 grown = np.empty((min(self.cap, 2 * r), self.rows.shape[1]), self.itype)
                 grown[:r] = self.rows
-                self.rows, self.frows = grown, grown.view(self.frows.dtype)
+                self.rows, self.frows, self.rows_m = grown, grown.view(self.frows.dtype), memoryview(grown)
             self.seqs.append(seq_id)
             self.used.append(0)
         else:  # the least recently used row gives way, unless it serves the current write too

@@ -59,6 +59,8 @@ class FusedStep:
         self.n_steps = 0                                        # steps taken by this path (tests, notebooks)
         self._iota1 = ctx._iota[:1]                             # the output ids of a one-token step (read-only)
         self._graph: DecoderGraph | None = None                 # the last graph found with host views of all
+        self._tok_m = self._pos_m = self._out_m = memoryview(b"")  # ... and memoryviews of its token, position
+        #                                                           and output-row inputs
 
     def __call__(self, batch: Batch, g: DecoderGraph) -> np.ndarray | None:
         """Decode ``batch`` by computing ``g`` again; its logits [n, n_vocab], or None (nothing done) when the
@@ -67,6 +69,7 @@ class FusedStep:
             if any(v is None for v in (g.kv_views, g.tokens_h, g.pos_h, g.out_ids_h, g.logits_h)):
                 return None
             self._graph = g
+            self._tok_m, self._pos_m, self._out_m = (memoryview(v) for v in (g.tokens_h, g.pos_h, g.out_ids_h))
         if not self.step.ready():
             return None
         if batch.n_tokens == 1:
@@ -114,9 +117,9 @@ class FusedStep:
         if not step.place_one(s, p, key.n_kv, key.s0, key.s1):
             return None
         t2 = perf()
-        g.tokens_h[0] = batch.token.item(0)
-        g.pos_h[0] = p
-        g.out_ids_h[0] = 0
+        self._tok_m[0] = batch.token.item(0)  # (memoryviews: scalar writes a few times cheaper than numpy's)
+        self._pos_m[0] = p
+        self._out_m[0] = 0
         step.fill_one(g.kv_views, s, p, self.causal)
         return self._compute(g, (s,), (p,), t0, t1, t2)
 
