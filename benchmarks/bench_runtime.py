@@ -19,7 +19,7 @@ Columns: tokens/s of the decode steps for both and the ratio (ours / llama.cpp, 
 each step's batch and taking its logits into numpy on both sides; ``core``: the same ratio for the decode call alone
 (``Context.decode`` / ``llama_decode``); ``cpu``: the ratio of the steps' CPU time of the calling thread (what a busy
 machine skews least; with more than one thread it leaves out the other threads' share); ``prompt``: the ratio for
-the prompt batch.  Then our host time per step
+the prompt batch.  Both sides run on the same CPUs (``--no-pin``: any CPU).  Then our host time per step
 split into batch splitting, cache bookkeeping, memory updates, input setting, graph build and compute (with the
 logits read back), and the C calls and tensor-struct reads per step.
 
@@ -196,6 +196,18 @@ def model_path(name: str, a: argparse.Namespace, tmp: Path) -> Path:
     return path
 
 
+_ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def pin(threads: int, off: bool) -> None:
+    """Run this process -- and llama.cpp's runner, which inherits it when it starts -- on the same first ``threads``
+    CPUs.  On a shared machine one CPU can run at half the speed of another for seconds (a busy neighbour on its
+    core); unpinned, the two sides may sit on different CPUs and a single-thread ratio then swings by 2x."""
+    if off or not _ALL_CPUS:
+        return
+    os.sched_setaffinity(0, _ALL_CPUS[:max(1, threads)])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny,real", help="comma-separated: tiny, real")
@@ -210,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="runs of each side per configuration (best kept)")
     ap.add_argument("--sessions", type=int, default=3,
                     help="fresh sessions of each side per configuration (a process's speed varies from one to the next)")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave both sides free to run on any CPU (by default they share the same THREADS CPUs)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args(argv)
     G.set_log_level(3)  # warnings and errors only, as llama.cpp's side (not CPU_REPACK's line per tensor)
@@ -220,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             path = model_path(name, a, Path(tmp))
             threads = a.threads if name == "tiny" else a.real_threads
             n_gen = a.n_gen if name == "tiny" else max(4, a.n_gen // 4)
+            pin(threads, a.no_pin)
             with Model(path) as m:
                 for n_par in (int(x) for x in a.n_par.split(",")):
                     for mode in a.modes.split(","):

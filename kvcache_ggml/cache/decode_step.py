@@ -42,6 +42,8 @@ class CacheStep:
         self.strms: list[int] = []              # the stream of each token of the last place()
         self.cells: list[int] = []              # the cell of each token of the last place()
         self.strm_one = self.cell_one = -1      # the stream and cell of the token of the last place_one()
+        self._k_idxs: np.ndarray | None = None  # the k_idxs view fill_one last wrote, and memoryviews of it and
+        self._k_m = self._v_m = memoryview(b"")  # of the v_idxs view beside it
 
     def ready(self) -> bool:
         """The fused step may run now: plain masks, fast paths on (the equivalence tests turn them off), and no
@@ -137,15 +139,17 @@ class CacheStep:
     def fill_one(self, views: tuple[np.ndarray, np.ndarray, np.ndarray], s: int, p: int, causal: bool) -> None:
         """:meth:`fill` of the one token of the last :meth:`place_one` (sequence ``s``, position ``p``)."""
         k_idxs, v_idxs, mask = views
+        if k_idxs is not self._k_idxs:  # (memoryviews: scalar writes a few times cheaper than numpy's)
+            self._k_idxs, self._k_m, self._v_m = k_idxs, memoryview(k_idxs), memoryview(v_idxs)
         st, i = self.strm_one, self.cell_one
         size = self.kv_size
-        k_idxs[0] = row = i + st * size
+        self._k_m[0] = row = i + st * size
         inputs = self.inputs
         if inputs.v_trans:  # one index per V element: element j of the cell at j*kv_size, streams kv_size*n_embd apart
             elem = inputs._v_elem_offs
-            np.add(elem, i + st * size * elem.shape[0], out=v_idxs)
+            np.add(elem, i + st * size * elem.shape[0], v_idxs)
         else:
-            v_idxs[0] = row
+            self._v_m[0] = row
         if not inputs.mask_rows.write_one(mask, s, p, causal):
             mask_decode_row(mask[0], self.book.v_cells[st], s, p, causal)
 

@@ -59,8 +59,9 @@ class FusedStep:
         self.n_steps = 0                                        # steps taken by this path (tests, notebooks)
         self._iota1 = ctx._iota[:1]                             # the output ids of a one-token step (read-only)
         self._graph: DecoderGraph | None = None                 # the last graph found with host views of all
-        self._tok_m = self._pos_m = self._out_m = memoryview(b"")  # ... and memoryviews of its token, position
-        #                                                           and output-row inputs
+        self._tok_m = self._pos_m = self._out_m = memoryview(b"")  # ... memoryviews of its token, position and
+        #                                                           output-row inputs, and the compute's arguments
+        self._args: tuple[int, int] = (0, 0)
 
     def __call__(self, batch: Batch, g: DecoderGraph) -> np.ndarray | None:
         """Decode ``batch`` by computing ``g`` again; its logits [n, n_vocab], or None (nothing done) when the
@@ -70,6 +71,7 @@ class FusedStep:
                 return None
             self._graph = g
             self._tok_m, self._pos_m, self._out_m = (memoryview(v) for v in (g.tokens_h, g.pos_h, g.out_ids_h))
+            self._args = (self.ctx._sched.ptr, g.graph.ptr)
         if not self.step.ready():
             return None
         if batch.n_tokens == 1:
@@ -96,7 +98,7 @@ class FusedStep:
         g.pos_h[...] = pos
         g.out_ids_h[...] = g.out_rows
         self.step.fill(g.kv_views, seqs, pos, self.causal)
-        return self._compute(g, seqs, pos, t0, t1, t2)
+        return self._compute(g, n, seqs, pos, t0, t1, t2)
 
     def _one(self, batch: Batch, g: DecoderGraph) -> np.ndarray | None:
         """The step of one token (the same as above without lists)."""
@@ -121,20 +123,20 @@ class FusedStep:
         self._pos_m[0] = p
         self._out_m[0] = 0
         step.fill_one(g.kv_views, s, p, self.causal)
-        return self._compute(g, (s,), (p,), t0, t1, t2)
+        return self._compute(g, 1, s, p, t0, t1, t2)
 
-    def _compute(self, g: DecoderGraph, seqs: Any, pos: Any, t0: float, t1: float, t2: float) -> np.ndarray:
-        """Compute ``g`` (its inputs filled), take its logits and account the step's time."""
+    def _compute(self, g: DecoderGraph, n: int, seqs: Any, pos: Any, t0: float, t1: float, t2: float) -> np.ndarray:
+        """Compute ``g`` (its inputs filled), take its logits and account the step's time.  ``seqs``/``pos``: the
+        tokens' sequences and positions (lists, or the one token's ints), for the clean-up of a failed compute."""
         t3 = time.perf_counter()
         ctx = self.ctx
-        n = len(seqs)
         n_threads = ctx.cparams.n_threads if n == 1 else ctx.cparams.n_threads_batch
         if n_threads != ctx._n_threads_set:
             ctx._cpu.set_n_threads(n_threads)
             ctx._n_threads_set = n_threads
-        status = G.ggml_backend_sched_graph_compute(ctx._sched.ptr, g.graph.ptr)
+        status = G.ggml_backend_sched_graph_compute(*self._args)
         if status != _SUCCESS:
-            ctx._fail_compute(status, zip(seqs, pos))
+            ctx._fail_compute(status, zip(seqs, pos) if n > 1 else [(seqs, pos)])
         logits = g.logits_h.copy()
         ctx.logits, ctx.output_ids = logits, self._iota1 if n == 1 else ctx._iota[:n]
         tm = self.times
