@@ -34,7 +34,7 @@ def init_decode(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPo
     try:
         if batch.n_tokens == 1:
             return _init_one(ba, batch, n_vocab, memory, n_seq_max, output_all) is not None
-        return _init_many(ba, batch, n_vocab, memory, n_seq_max, output_all)
+        return _init_many(ba, batch, n_vocab, memory, n_seq_max, output_all) is not None
     except BaseException:  # the memory raised: no batch, as after the general path's failure
         ba._clear()
         raise
@@ -80,17 +80,18 @@ def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPosi
 
 
 def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions | None, n_seq_max: int,
-               output_all: bool) -> bool:
-    """init_decode of n > 1 tokens: Python lists of at most n_seq_max values, a few numpy calls."""
+               output_all: bool) -> tuple[list[int], list[int]] | None:
+    """init_decode of n > 1 tokens: Python lists of at most n_seq_max values, a few numpy calls; (each token's
+    sequence, each token's position) as lists, or None."""
     n, token, seq2d = batch.n_tokens, batch.token, batch.seq_id
     if seq2d is None or seq2d.shape[1] != 1 or n > n_seq_max:
-        return False
+        return None
     ids = seq2d.reshape(n).tolist()
     seqs = sorted(ids)
     if seqs[0] < 0 or seqs[-1] >= n_seq_max or len(set(ids)) != n:
-        return False
+        return None
     if n_vocab <= 0 or np.count_nonzero(token.view(np.uint32) >= n_vocab):
-        return False
+        return None
     if memory is None:
         mems = [-1] * n
     else:
@@ -100,17 +101,17 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
     if pos_all is None:
         plist = [m + 1 for m in mems]
         if max(plist) > INT32_MAX:
-            return False
+            return None
         pos_all = pos0 = np.array(plist, np.int32)
     else:
         if pos_all.shape[0] != n:
-            return False
+            return None
         pos0 = pos_all[:n]
         plist = pos0.tolist()
     # each sequence continues the memory, and no position is below -1 (else: the general path's errors)
     for m, p in zip(mems, plist):
         if p < -1 or (m >= 0 and p != m + 1):
-            return False
+            return None
     output = batch.logits
     if output is None:
         if output_all:
@@ -122,10 +123,10 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
     else:
         n_outputs = int(np.count_nonzero(output))
         if output_all and n_outputs < n:
-            return False  # the general path warns and overrides
+            return None  # the general path warns and overrides
     ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], batch.n_seq_id, False, seqs, None,
                {s: (p, p, 1) for s, p in zip(ids, plist)}, output, n_outputs)
-    return True
+    return ids, plist
 
 
 def init_step(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPositions, n_seq_max: int, n_ubatch: int,
@@ -135,13 +136,20 @@ def init_step(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPosi
     with ``equal_seqs``, else ``split_simple(n_ubatch)``) that takes every token.  Returns each token's sequence
     and position, or None when the batch is not such a step or the split would differ; the allocator may then hold
     the batch (``init`` starts again).  A one-token batch: :func:`init_step_one`."""
-    if not (ba.fast and ba._debug <= 0 and type(batch) is Batch and init_decode(ba, batch, n_vocab, memory,
-                                                                                  n_seq_max, False)):
+    if not (ba.fast and ba._debug <= 0 and type(batch) is Batch) or batch.token is None or ba.n_pos_per_embd != 1:
         return None
-    n = ba._n
-    if ba._n_outputs != n or n > n_ubatch:
+    if batch.n_tokens == 1:
+        got = init_step_one(ba, batch, n_vocab, memory, n_seq_max)
+        return None if got is None else ([got[0]], [got[1]])
+    try:
+        got = _init_many(ba, batch, n_vocab, memory, n_seq_max, False)
+    except BaseException:  # the memory raised: no batch, as after the general path's failure
+        ba._clear()
+        raise
+    n = batch.n_tokens
+    if got is None or ba._n_outputs != n or n > n_ubatch:
         return None
-    seqs, pos = ba._seq0.tolist(), ba._pos0.tolist()
+    seqs, pos = got
     # split_equal's sequential scan takes them all only when the ids are consecutive and rise in batch order
     if equal_seqs and n > 1 and (seqs != ba._seqs or seqs[-1] - seqs[0] != n - 1):  # (_seqs: the ids, ascending)
         return None

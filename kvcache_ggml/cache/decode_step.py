@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._consts import LLAMA_MAX_SEQ
 from ..hparams import SwaType
 from .bookkeeping import KVBookkeeping
 from .inputs import KVInputs
@@ -44,6 +45,11 @@ class CacheStep:
         self.strm_one = self.cell_one = -1      # the stream and cell of the token of the last place_one()
         self._k_idxs: np.ndarray | None = None  # the k_idxs view fill_one last wrote, and memoryviews of it and
         self._k_m = self._v_m = memoryview(b"")  # of the v_idxs view beside it
+        # several tokens, V transposed: each token's cell base (cell + stream * kv_size * n_embd), [LLAMA_MAX_SEQ, 1],
+        # added to the element offsets in one call; and (n, v_idxs, v_idxs as [n, n_embd], base[:n]) of the last fill
+        self._v_base = np.zeros((LLAMA_MAX_SEQ, 1), np.int64)
+        self._v_base_m = memoryview(self._v_base)
+        self._v_rows: tuple = (0, None, None, None)
 
     def ready(self) -> bool:
         """The fused step may run now: plain masks, fast paths on (the equivalence tests turn them off), and no
@@ -160,15 +166,24 @@ class CacheStep:
         k_idxs, v_idxs, mask = views
         size, strms, cells = self.kv_size, self.strms, self.cells
         n = len(cells)
-        rows = [i + st * size for st, i in zip(strms, cells)]
-        k_idxs[...] = rows
         inputs = self.inputs
+        if k_idxs is not self._k_idxs:  # (memoryviews: scalar writes a few times cheaper than numpy's)
+            self._k_idxs, self._k_m, self._v_m = k_idxs, memoryview(k_idxs), memoryview(v_idxs)
+        if self._v_rows[0] != n or self._v_rows[1] is not v_idxs:  # v_idxs as [n, n_embd], the cell bases [n, 1]
+            ne = inputs._v_elem_offs.shape[0]
+            self._v_rows = (n, v_idxs, v_idxs.reshape(n, ne) if inputs.v_trans else None, self._v_base[:n])
+        k_m = self._k_m
+        for j in range(n):
+            k_m[j] = cells[j] + strms[j] * size
         if inputs.v_trans:  # one index per V element: element j of a cell at j*kv_size, streams kv_size*n_embd apart
             elem = inputs._v_elem_offs
-            np.add(np.multiply(strms, size * elem.shape[0])[:, None] + np.array(cells)[:, None], elem,
-                   out=v_idxs.reshape(n, elem.shape[0]))
+            stride = size * elem.shape[0]
+            base_m = self._v_base_m
+            for j in range(n):
+                base_m[j, 0] = cells[j] + strms[j] * stride
+            np.add(self._v_rows[3], elem, self._v_rows[2])
         else:
-            v_idxs[...] = rows
+            v_idxs[...] = k_idxs
         if inputs.mask_rows.write(mask, seqs, pos, causal):
             return
         v_cells, stream_of = self.book.v_cells, self.book.stream_of

@@ -286,7 +286,10 @@ class MaskRows:
                     return False
             else:
                 block.used[r] = block.tick
-            out[i] = block.frows[r, :n_kv]
+            view = block.last_view  # (one sequence per stream: the same row of each block step after step)
+            if view[0] != r or view[1] != n_kv or view[2] is not block.frows:
+                view = block.last_view = (r, n_kv, block.frows, block.frows[r, :n_kv])
+            out[i] = view[3]
         return True
 
     def _block(self, strm: int, ftype: np.dtype, n_kv: int) -> _Block:
