@@ -44,7 +44,7 @@ def bitset_ids(words: np.ndarray) -> list[int]:
 
 class OneCellAPI:
     """The seed's one-cell methods; the host class provides ``_pos``, ``_seq``, ``_ext``, ``_shift``, ``_used``,
-    ``_seq_pos``, ``_log`` and the vectorised methods."""
+    ``_seq_pos``, ``_log``, the memoryviews ``_pos_m`` and ``_seq_m``, and the vectorised methods."""
 
     __slots__ = ()
 
@@ -131,6 +131,14 @@ class OneCellAPI:
                     return -1
                 q = (w << 6) + v.bit_length() - 1
         return q
+
+    def pos_at(self, i: int) -> int:
+        """The position of cell ``i`` (-1: empty), a Python int (the fused decode step's read)."""
+        return self._pos_m[i]
+
+    def seq_word(self, w: int, i: int) -> int:
+        """Word ``w`` of cell ``i``'s sequence bitset (sequences 64*w .. 64*w + 63), a Python int."""
+        return self._seq_m[w, i]
 
     def seq_pos_keys(self, seq_id: int) -> tuple[list[int], list[int]]:
         """The position multiset of ``seq_id``: its distinct positions ascending and how many cells hold each (the

@@ -67,8 +67,7 @@ class KVCells(OneCellAPI):
         self._seq_pos: dict[int, PosMultiset] = {}      # seq id -> multiset of its positions
         self._log = ChangeLog(0)                         # cells whose sequence set changed
         self._newest: dict[int, int] = {}                # seq id -> cell of its last placement (a hint only)
-        # memoryviews of _pos and _seq for the decode step's scalar reads and writes (a few times cheaper than
-        # numpy's item access); _views() makes them again whenever the arrays are replaced
+        # memoryviews of _pos and _seq: the decode step's scalar access, cheaper than numpy's (_views() remakes them)
         self._pos_m = self._seq_m = memoryview(b"")
         self.resize(size)
 
@@ -188,14 +187,6 @@ class KVCells(OneCellAPI):
         return True
 
     # ------------------------------------------------------------------ vectorised queries
-
-    def pos_at(self, i: int) -> int:
-        """The position of cell ``i`` (-1: empty), a Python int."""
-        return self._pos_m[i]
-
-    def seq_word(self, w: int, i: int) -> int:
-        """Word ``w`` of cell ``i``'s sequence bitset (sequences 64*w .. 64*w + 63), a Python int."""
-        return self._seq_m[w, i]
 
     @property
     def pos_array(self) -> np.ndarray:
