@@ -207,7 +207,8 @@ def table(results: list[tuple[tuple, Outcome]]) -> str:
              "|---|---|---|---|---|---|---|"]
     for (name, path, old, new), o in results:
         caught = "**no**" if o.rc == 0 else "yes" if o.rc == 1 else f"yes (pytest rc {o.rc})"
-        change = f"`{old.strip()}` → `{new.strip()}`".replace("|", "\\|")
+        one_line = (lambda t: " ⏎ ".join(x.strip() for x in t.strip().splitlines()))  # a table cell is one line
+        change = f"`{one_line(old)}` → `{one_line(new)}`".replace("|", "\\|")
         first = o.first.replace("|", "\\|")
         lines.append(f"| {name} | `{path}` | {change} | {caught} | `{first}` | {'yes' if o.golden else 'no'} | "
                      f"{o.seconds:.0f} s |")
