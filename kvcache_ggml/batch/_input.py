@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from .._consts import LLAMA_MAX_SEQ
+
 _I32_MIN = -(2**31)
 _I32_MAX = 2**31 - 1
 _I8_MIN, _I8_MAX = -128, 127
@@ -54,12 +56,12 @@ _ONES: dict[int, np.ndarray] = {}  # n -> read-only int32 [n] of ones: the n_seq
 
 
 def _ones(n: int) -> np.ndarray:
-    """A read-only int32 [n] of ones, shared (made once per n up to 256: the decode step's n_seq_id)."""
+    """A read-only int32 [n] of ones, shared (made once per n up to LLAMA_MAX_SEQ: the decode step's n_seq_id)."""
     out = _ONES.get(n)
     if out is None:
         out = _filled(n, 1)
         out.flags.writeable = False
-        if n <= 256:
+        if n <= LLAMA_MAX_SEQ:
             _ONES[n] = out
     return out
 

@@ -210,15 +210,16 @@ class KVBookkeeping:
     def get_n_kv(self, sinfo: SlotInfo) -> int:
         """Cells the attention must read for this slot: used range padded to max(n_pad, 256), capped at size
         (of the slot's streams, the one that uses most: the padding is monotone)."""
-        n_pad_cur = self.n_pad_cur
         strm = sinfo.strm
         if len(strm) == 1:
-            used = self.v_cells[strm[0]].used_max_p1()
-        else:
-            v_cells = self.v_cells
-            used = max([v_cells[s].used_max_p1() for s in strm]) if strm else 0
-        padded = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)  # GGML_PAD: a true multiple for powers of two
-        return min(self.kv_size, max(n_pad_cur, padded)) if strm else 0
+            return self.padded_n_kv(self.v_cells[strm[0]].used_max_p1())
+        v_cells = self.v_cells
+        return self.padded_n_kv(max([v_cells[s].used_max_p1() for s in strm])) if strm else 0
+
+    def padded_n_kv(self, used: int) -> int:
+        """``used`` cells padded to max(n_pad, 256) (GGML_PAD: a true multiple for powers of two), capped at size."""
+        n_pad_cur = self.n_pad_cur
+        return min(self.kv_size, max(n_pad_cur, (used + n_pad_cur - 1) & ~(n_pad_cur - 1)))
 
     # ================================================================== preparation API
 

@@ -76,10 +76,7 @@ class CacheStep:
         if st != s0 or st != s1 or h >= size or c.pos_at(h) >= 0:
             return False
         used = c.used_max_p1()
-        if used <= h:
-            used = h + 1
-        n_pad = book.n_pad_cur
-        if min(size, max(n_pad, (used + n_pad - 1) & ~(n_pad - 1))) != n_kv:
+        if book.padded_n_kv(used if used > h else h + 1) != n_kv:
             return False
         c.place_one(h, p, s)
         book.v_heads[st] = h + 1
@@ -97,7 +94,7 @@ class CacheStep:
         book = self.book
         if book.n_stream == 1:
             return self._place_unified(seqs, pos, n_kv, s0, s1)
-        n_pad, size, v_cells, v_heads = book.n_pad_cur, self.kv_size, book.v_cells, book.v_heads
+        size, v_cells, v_heads = self.kv_size, book.v_cells, book.v_heads
         strms = [book.stream_of[s] for s in seqs]
         if min(strms) != s0 or max(strms) != s1:
             return False
@@ -111,7 +108,7 @@ class CacheStep:
                 return False
             cells.append(h)
             used = max(used, c.used_max_p1(), h + 1)
-        if min(size, max(n_pad, (used + n_pad - 1) & ~(n_pad - 1))) != n_kv:
+        if book.padded_n_kv(used) != n_kv:
             return False
         for st, s, p, i in zip(strms, seqs, pos, cells):
             v_cells[st].place_one(i, p, s)
@@ -129,9 +126,7 @@ class CacheStep:
             h = 0
         if s0 or s1 or h + n > self.kv_size or np.count_nonzero(c.pos_array[h:h + n] >= 0):
             return False
-        n_pad = book.n_pad_cur
-        used = max(c.used_max_p1(), h + n)
-        if min(self.kv_size, max(n_pad, (used + n_pad - 1) & ~(n_pad - 1))) != n_kv:
+        if book.padded_n_kv(max(c.used_max_p1(), h + n)) != n_kv:
             return False
         cells = list(range(h, h + n))
         for i, s, p in zip(cells, seqs, pos):

@@ -318,10 +318,7 @@ class Context:
         self._rt.set_inputs(g, mctx, ubatch, self.cparams.causal_attn)
         t2 = _perf()
         tm.inputs += t2 - t1
-        n_threads = self.cparams.n_threads if ubatch.n_tokens == 1 else self.cparams.n_threads_batch
-        if n_threads != self._n_threads_set:
-            self._cpu.set_n_threads(n_threads)
-            self._n_threads_set = n_threads
+        self._use_threads(ubatch.n_tokens)
         status = G.ggml_backend_sched_graph_compute(self._sched.ptr, g.graph.ptr)
         if status != _SUCCESS:
             self._fail_compute(status, zip(ubatch.seq_id[:ubatch.n_tokens, 0].tolist(),
@@ -342,6 +339,14 @@ class Context:
         g.map_inputs()
         self._prev = g
         return g
+
+    def _use_threads(self, n_tokens: int) -> None:
+        """Set the CPU backend's threads for a graph of ``n_tokens`` (n_threads for one, else n_threads_batch),
+        with a C call only when they change."""
+        n_threads = self.cparams.n_threads if n_tokens == 1 else self.cparams.n_threads_batch
+        if n_threads != self._n_threads_set:
+            self._cpu.set_n_threads(n_threads)
+            self._n_threads_set = n_threads
 
     def _fail_compute(self, status: int, tokens: Any) -> None:
         """After a failed compute: forget the graph, remove the ubatch's positions from the cache (each sequence's

@@ -130,10 +130,7 @@ class FusedStep:
         tokens' sequences and positions (lists, or the one token's ints), for the clean-up of a failed compute."""
         t3 = time.perf_counter()
         ctx = self.ctx
-        n_threads = ctx.cparams.n_threads if n == 1 else ctx.cparams.n_threads_batch
-        if n_threads != ctx._n_threads_set:
-            ctx._cpu.set_n_threads(n_threads)
-            ctx._n_threads_set = n_threads
+        ctx._use_threads(n)
         status = G.ggml_backend_sched_graph_compute(*self._args)
         if status != _SUCCESS:
             ctx._fail_compute(status, zip(seqs, pos) if n > 1 else [(seqs, pos)])
