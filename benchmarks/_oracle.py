@@ -1,6 +1,6 @@
 """Run timing code on llama.cpp's own cache (../shared/oracle) in its interpreter, side by side with ours.
 
-``oracle_timings(script)`` runs ``script`` under the oracle's Python with ``kvoracle`` importable and returns what
+``pin()`` puts this process (and the oracle's interpreter it starts) on the same CPUs.  ``oracle_timings(script)`` runs ``script`` under the oracle's Python with ``kvoracle`` importable and returns what
 it printed as JSON, or None when the oracle is not built.  ``step_lib()`` builds ``_oracle_step.cpp`` (timing
 anchors the oracle's shim lacks) against the oracle's llama.cpp.
 """
@@ -17,6 +17,18 @@ from pathlib import Path
 ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
 ORACLE_SRC = Path(os.environ.get("KVORACLE_SRC", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
 ORACLE_PY = ORACLE_DIR / "venv" / "bin" / "python"
+
+
+_ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def pin(threads: int, off: bool = False) -> None:
+    """Run this process -- and llama.cpp's side, which inherits it when it starts -- on the same first ``threads``
+    CPUs.  On a shared machine one CPU can run at half the speed of another for seconds (a busy neighbour on its
+    core); unpinned, the two sides may sit on different CPUs and a single-thread ratio then swings by 2x."""
+    if off or not _ALL_CPUS:
+        return
+    os.sched_setaffinity(0, _ALL_CPUS[:max(1, threads)])
 
 
 def oracle_available() -> bool:

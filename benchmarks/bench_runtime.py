@@ -48,6 +48,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from native_calls import NativeCalls  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _oracle import pin  # noqa: E402
+
 from kvcache_ggml import _ggml as G  # noqa: E402
 from kvcache_ggml.batch import Batch  # noqa: E402
 from kvcache_ggml.runtime import Context, Model, make_model  # noqa: E402
@@ -194,18 +197,6 @@ def model_path(name: str, a: argparse.Namespace, tmp: Path) -> Path:
     path = make_model(tmp / f"{name}.gguf", MODELS[name])
     print(f"({name} model made in {time.perf_counter() - t0:.1f} s)", flush=True)
     return path
-
-
-_ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-
-
-def pin(threads: int, off: bool) -> None:
-    """Run this process -- and llama.cpp's runner, which inherits it when it starts -- on the same first ``threads``
-    CPUs.  On a shared machine one CPU can run at half the speed of another for seconds (a busy neighbour on its
-    core); unpinned, the two sides may sit on different CPUs and a single-thread ratio then swings by 2x."""
-    if off or not _ALL_CPUS:
-        return
-    os.sched_setaffinity(0, _ALL_CPUS[:max(1, threads)])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """The cache's share of a decode step, next to llama.cpp's own cache, measured side by side in one run.
 
 One step: a batch of one token per sequence -> ``BatchAllocator.init`` -> ``init_batch`` -> ``apply`` (every
-ubatch), undone with ``seq_rm`` of each sequence's new position (a new allocator per step, as llama.cpp's loop
-does).  Levels: L0 that bookkeeping alone; L1 + the K/V index inputs; L2 + the kq mask (F32).  Cases per cache
-size (cells per stream, each stream half full):
+ubatch), undone with ``seq_rm`` of each sequence's new position.  As in llama.cpp's loop, each step makes a new
+allocator and reuses one batch, filled before the loop (llama.cpp's ``llama_batch`` is initialised once).  Levels:
+L0 that bookkeeping alone; L1 + the K/V index inputs; L2 + the kq mask (F32).  Cases per cache size (cells per
+stream, each stream half full):
 
 * ``1``  -- one sequence (llama.cpp: the oracle's ``time_step``);
 * ``8``  -- eight sequences in one unified stream, one token each;
@@ -13,7 +14,8 @@ llama.cpp's side runs in the oracle's interpreter (../shared/oracle) with ``_ora
 (and a mask-free fill), built on first use against the oracle's llama.cpp.  Each side takes the best of
 ``--repeats`` timed runs of ``--iters`` steps per round, over ``--rounds`` rounds that alternate ours and
 llama.cpp's; the table gives the best per-step time, the spread of all runs ((worst - best) / best) and the ratio
-ours / llama.cpp (below 1: faster).  ``--general`` times our general paths instead (every fast path off).
+ours / llama.cpp (below 1: faster).  Both sides run on the same CPU (``--no-pin``: any).  ``--general`` times our
+general paths instead (every fast path off).
 
     .venv/bin/python benchmarks/bench_step.py [--sizes 4096,32768,131072] [--cases 1,8,8s] [--iters 300]
 """
@@ -21,14 +23,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# nothing in a step calls BLAS; numpy's OpenBLAS threads would otherwise spin after import on the CPU both sides
+# are pinned to (llama.cpp's interpreter inherits this too)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _oracle import oracle_timings, step_lib  # noqa: E402
+from _oracle import oracle_timings, pin, step_lib  # noqa: E402
 
 from kvcache_ggml import _ggml as G  # noqa: E402
 from kvcache_ggml.batch import Batch, BatchAllocator  # noqa: E402
@@ -37,7 +44,7 @@ from kvcache_ggml.hparams import HParams  # noqa: E402
 
 CASES = {"1": (1, True), "8": (8, True), "8s": (8, False)}  # name -> (sequences, unified)
 LEVELS = (0, 1, 2)
-PHASES = ("Batch", "BatchAllocator()", "init", "init_batch", "apply", "k/v idxs", "kq mask", "undo (seq_rm)")
+PHASES = ("BatchAllocator()", "init", "init_batch", "apply", "k/v idxs", "kq mask", "undo (seq_rm)")
 
 
 class Tiny:  # the oracle's tiny.gguf shape: 2 layers, 4 heads of 16, 2 KV heads
@@ -79,6 +86,7 @@ class OurCase:
         self.pos = np.full(n_seq, per, np.int32)
         self.seq = np.arange(n_seq, dtype=np.int32)
         self.out = np.ones(n_seq, np.int8)
+        self.batch = Batch(token=self.token, pos=self.pos, seq_id=self.seq, logits=self.out)  # reused every step
         ctx = self._decode(self.token, self.pos, self.seq)
         n_kv, ns = ctx.get_n_kv(), ctx.get_sinfo().n_stream()
         self._undo()
@@ -110,8 +118,7 @@ class OurCase:
 
     def step(self, level: int) -> None:
         ba = self._allocator()
-        ba.init(Batch(token=self.token, pos=self.pos, seq_id=self.seq, logits=self.out), 64, self.kv, 64,
-                self.kv.n_seq_max, False)
+        ba.init(self.batch, 64, self.kv, 64, self.kv.n_seq_max, False)
         ctx = self.kv.init_batch(ba, 512)
         while True:
             ctx.apply()
@@ -131,11 +138,9 @@ class OurCase:
         acc = [0.0] * len(PHASES)
         for _ in range(iters):
             t = [clock()]
-            batch = Batch(token=self.token, pos=self.pos, seq_id=self.seq, logits=self.out)
-            t.append(clock())
             ba = self._allocator()
             t.append(clock())
-            ba.init(batch, 64, self.kv, 64, self.kv.n_seq_max, False)
+            ba.init(self.batch, 64, self.kv, 64, self.kv.n_seq_max, False)
             t.append(clock())
             ctx = self.kv.init_batch(ba, 512)
             t.append(clock())
@@ -229,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-oracle", action="store_true", help="skip llama.cpp's side")
     ap.add_argument("--json", help="also write the runs (seconds) to this file")
     ap.add_argument("--phases", action="store_true", help="print our per-phase split of a level-2 step instead")
+    ap.add_argument("--no-pin", action="store_true", help="let both sides run on any CPU (default: both on the first)")
     a = ap.parse_args(argv)
+    pin(1, a.no_pin)
     sizes = [int(s) for s in a.sizes.split(",")]
     names = a.cases.split(",")
     if a.phases:

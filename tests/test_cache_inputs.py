@@ -411,6 +411,52 @@ def test_input_views_filled_again_match_set_input(v_trans, unified):
     assert n_reused[0] >= 10
 
 
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_set_input_serves_the_last_tensor_again_only_while_its_header_holds(v_trans):
+    """set_input_* keep the view of the tensor they wrote last: a decode loop that alternates two tensor sets, and
+    one whose ne[0] is rewritten in place between calls (as llama.cpp's own timing loop does with its mask), get
+    exactly what fresh tensors get; a header rewritten to a wrong shape is refused with nothing written."""
+    kv = make(kv_size=32, n_seq_max=2, v_trans=v_trans)
+    n_v = kv.hparams.n_embd_v_gqa_max() if v_trans else 1
+    sets = [(idx_tensor(1), idx_tensor(n_v), HostTensor("f32", (32, 1, 1, 1))) for _ in range(2)]
+    try:
+        decode(kv, [0, 1, 2], [0, 0, 0])
+        decode(kv, [0, 1, 2], [1, 1, 1])
+        for step in range(8):
+            seq = step % 2
+            ctx = decode(kv, [3 + step // 2], [seq])
+            ub, sinfo = ctx.get_ubatch(), ctx.get_sinfo()
+            tk, tv, tm = sets[step % 2 if step < 4 else 0]
+            n_kv = 32 if step % 3 else 16  # the mask's cells are the tensor's: any n_kv up to the cache size
+            words = G.header_words(tm.t)  # live: ne[0] is word 2, nb[1..3] words 7..9
+            words[2], words[7], words[8], words[9] = n_kv, 4 * n_kv, 4 * n_kv, 4 * n_kv
+            tm.array()[...] = 7
+            kv.set_input_k_idxs(tk.t, ub, sinfo)
+            kv.set_input_v_idxs(tv.t, ub, sinfo)
+            kv.set_input_kq_mask(tm.t, ub, True)
+            np.testing.assert_array_equal(tk.array().reshape(-1), [sinfo.idxs[0][0]])
+            np.testing.assert_array_equal(tv.array().reshape(-1), seed_v_idxs(kv, ub, sinfo))
+            assert same_bits(tm.array().reshape(-1), ctx.kq_mask().reshape(-1)[:n_kv])
+            words[2] = n_kv - 1  # ne[0] no longer matches its strides: refused, nothing written
+            before = tm.array().copy()
+            with pytest.raises(ValueError, match="not contiguous"):
+                kv.set_input_kq_mask(tm.t, ub, True)
+            assert same_bits(tm.array(), before)
+            words[2] = 32
+            words[7] = words[8] = words[9] = 128
+            with pytest.raises(ValueError, match="has ne"):  # a k_idxs tensor of two tokens for a one-token ubatch
+                words_k = G.header_words(tk.t)
+                words_k[2] = 2
+                try:
+                    kv.set_input_k_idxs(tk.t, ub, sinfo)
+                finally:
+                    words_k[2] = 1
+    finally:
+        for hts in sets:
+            for ht in hts:
+                ht.close()
+
+
 def test_k_shift_values():
     kv = make(kv_size=16, n_seq_max=2, unified=False)
     decode(kv, [0, 1, 2, 3, 0, 1, 2, 3], [0, 0, 0, 0, 1, 1, 1, 1])

@@ -36,6 +36,9 @@ _NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i
 _ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
 
 
+_NO_LAST = (None, -1, None, None, None)  # KVInputs._last of a set_input_* that has not written yet
+
+
 class _HostMemory:
     """Host memory at an address, exposed to numpy through the array interface (no copy, no ownership)."""
 
@@ -96,6 +99,10 @@ class KVInputs:
         # the mask rows need no window, ALiBi (nor, per ubatch, 2-D positions): ready rows may serve them
         self._plain = book.swa_type == SwaType.NONE and not hparams.use_alibi
         self.fast = True  # fast paths on (the equivalence tests turn them off to compare with the full build)
+        # per set_input_* (k_idxs, v_idxs, kq mask): the tensor it wrote last, for how many tokens, the live view of
+        # its struct's words and their bytes then, and its checked data view -- served again while the same tensor
+        # comes for as many tokens with the same words (a decode loop: no entry lookup, no shape key)
+        self._last: list[tuple] = [_NO_LAST, _NO_LAST, _NO_LAST]
 
     def _entry(self, dst: Any) -> tuple[np.ndarray, bytes, tuple, dict, Any]:
         """The cache entry of tensor ``dst``: its header (``G.header``) read again only when the words of its
@@ -122,12 +129,29 @@ class KVInputs:
         ent[3][shape] = (types, ne, view)
         return view
 
+    def _remember(self, role: int, dst: Any, n_tokens: int, view: np.ndarray) -> np.ndarray:
+        """Keep ``view``, just checked by ``_host``, as the last view of set_input_* ``role`` for ``dst``."""
+        ent = self._tensors[id(dst)]
+        self._last[role] = (dst, n_tokens, ent[0], ent[1], view)
+        return view
+
     # ------------------------------------------------------------------ index inputs
 
     def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
-        self._check_slot(ubatch, sinfo)
-        self.fill_k_idxs(self.k_idxs_view(dst, ubatch.n_tokens), ubatch, sinfo)
+        n = ubatch.n_tokens
+        idxs = sinfo.idxs
+        if not (n == 1 and len(idxs) == 1 and len(idxs[0]) == 1):  # (else: one token, one cell: its slot)
+            self._check_slot(ubatch, sinfo)
+        last = self._last[0]
+        if last[0] is dst and last[1] == n and last[2].tobytes() == last[3]:  # the tensor of the last call
+            out = last[4]
+        else:
+            out = self._remember(0, dst, n, self.k_idxs_view(dst, n))
+        if n == 1 and len(idxs) == 1:  # (slot checked: one cell)
+            out[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+        else:
+            out[...] = self._token_cells(sinfo)
 
     def k_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the k_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens]."""
@@ -145,8 +169,23 @@ class KVInputs:
     def set_input_v_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens] (V rows), or with a transposed V one row per element:
         I64 [n_embd_v_gqa_max*n_tokens], element j of token i at ``strm*kv_size*n_embd + j*kv_size + idx``."""
-        self._check_slot(ubatch, sinfo)
-        self.fill_v_idxs(self.v_idxs_view(dst, ubatch.n_tokens), ubatch, sinfo)
+        n = ubatch.n_tokens
+        idxs = sinfo.idxs
+        one = n == 1 and len(idxs) == 1 and len(idxs[0]) == 1  # (else: one token, one cell: its slot)
+        if not one:
+            self._check_slot(ubatch, sinfo)
+        last = self._last[1]
+        if last[0] is dst and last[1] == n and last[2].tobytes() == last[3]:  # the tensor of the last call
+            out = last[4]
+        else:
+            out = self._remember(1, dst, n, self.v_idxs_view(dst, n))
+        if not one:
+            self.fill_v_idxs(out, ubatch, sinfo)
+        elif self.v_trans:  # fill_v_idxs of one token
+            elem = self._v_elem_offs
+            np.add(elem, idxs[0].item(0) + sinfo.strm[0] * self.kv_size * elem.shape[0], out=out)
+        else:
+            out[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
 
     def v_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the v_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens] (or
@@ -193,7 +232,16 @@ class KVInputs:
     def set_input_kq_mask(self, dst: Any, ubatch: UBatch, causal_attn: bool = True) -> None:
         """F32 or F16 [n_kv, n_tps, 1, n_stream]: 0 (or the ALiBi bias -|p0 - p1|) where token i may attend
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
-        self.fill_kq_mask(self.kq_mask_view(dst, ubatch.n_tokens), ubatch, causal_attn)
+        n = ubatch.n_tokens
+        last = self._last[2]
+        if last[0] is dst and last[1] == n and last[2].tobytes() == last[3]:  # the tensor of the last call
+            rows = last[4]
+        else:
+            rows = self._remember(2, dst, n, self.kq_mask_view(dst, n))
+        if n == 1 and self._plain and self.fast and ubatch.n_pos < 3 and rows.shape[1]:  # fill_kq_mask's decode row
+            if self.mask_rows.write_one(rows, ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
+                return
+        self.fill_kq_mask(rows, ubatch, causal_attn)
 
     def kq_mask_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the kq mask input ``dst`` of a ubatch of ``n_tokens``, checked, as [n_tokens, n_kv] (row i =
