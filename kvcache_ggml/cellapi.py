@@ -140,6 +140,12 @@ class OneCellAPI:
         """Word ``w`` of cell ``i``'s sequence bitset (sequences 64*w .. 64*w + 63), a Python int."""
         return self._seq_m[w, i]
 
+    def seq_words(self) -> memoryview:
+        """The sequence bitsets as a read-only-by-convention memoryview [SEQ_WORDS, size] of uint64, for scalar
+        reads in a loop (``seq_words()[w, i]`` is ``seq_word(w, i)``).  Valid until ``resize``, which also drops the
+        change log: a reader that keeps it takes it again in each new epoch of the log."""
+        return self._seq_m
+
     def seq_pos_keys(self, seq_id: int) -> tuple[list[int], list[int]]:
         """The position multiset of ``seq_id``: its distinct positions ascending and how many cells hold each (the
         cells' own lists: read only); two empty lists when it holds no cell."""

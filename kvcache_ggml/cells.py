@@ -348,10 +348,10 @@ class KVCells(OneCellAPI):
             return None
         # one cell of the sequence holds p: if the hinted cell holds the sequence at p, it is that cell
         i = self._newest.get(seq_id, -1)
-        if i < 0 or self._pos.item(i) != p:
+        if i < 0 or self._pos_m[i] != p:
             return None
-        seq, w, bit = self._seq, seq_id >> 6, 1 << (seq_id & 63)
-        word = seq.item(w, i)
+        seq_m, w, bit = self._seq_m, seq_id >> 6, 1 << (seq_id & 63)
+        word = seq_m[w, i]
         if not word & bit:
             return None
         keys.pop()  # ms.dec(p) of the largest position, held once
@@ -359,11 +359,11 @@ class KVCells(OneCellAPI):
         if not keys:
             del self._seq_pos[seq_id]
         word ^= bit
-        seq[w, i] = word
+        seq_m[w, i] = word
         self._log.add_one(i, seq_id)
-        if word or seq.item(0, i) or seq.item(1, i) or seq.item(2, i) or seq.item(3, i):  # (SEQ_WORDS words)
+        if word or seq_m[0, i] or seq_m[1, i] or seq_m[2, i] or seq_m[3, i]:  # (SEQ_WORDS words)
             return -1
-        self._pos[i] = -1
+        self._pos_m[i] = -1
         self._ext[i, 0] = 0
         self._ext[i, 1] = 0
         self._shift[i] = 0

@@ -64,6 +64,19 @@ class BatchSplitter:
         self._out_ids = []
         self._hint = 0
 
+    def split_whole(self, n_ubatch: int) -> UBatch | None:
+        """``split_reset()`` then ``split_simple(n_ubatch)`` when that split takes the whole batch as a decode step
+        (n tokens of n distinct sequences, no coupling, n <= n_ubatch): the ubatch, every token used after it, as
+        the two calls leave them; None, with nothing done, for any other batch (or none: the calls then say why)."""
+        n = self._n
+        if (self._batch is None or type(n_ubatch) is not int or n > n_ubatch or n != len(self._seqs)
+                or self._has_cpl or not self.fast):
+            return None
+        self._used = None
+        self._out_ids = []
+        self._n_used = self._hint = n
+        return self._ubatch_decode(n, False)
+
     def _first_unused(self) -> int:
         """The first unused token (n if none).  Tokens before the hint are used, and stay used until
         split_reset, so the search resumes there (the decode step's split marks every token used by moving the

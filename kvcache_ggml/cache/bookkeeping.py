@@ -229,6 +229,11 @@ class KVBookkeeping:
         A unified cache splits simply; a multi-stream cache into ubatches of equal sequence sets.  A ubatch with
         more tokens per stream than the cache has cells can never fit: ValueError.
         """
+        if self.n_stream == 1 and self.fast:  # the decode step: one ubatch of the whole batch (at most n_seq_max)
+            ub = balloc.split_whole(n_ubatch)
+            if ub is not None and ub.n_tokens <= self.kv_size:
+                return [ub]
+            # (None: nothing done; a ubatch too big for the cache: split again below, which raises)
         balloc.split_reset()
         ubatches = []
         n_tokens = balloc.get_n_tokens()
@@ -355,7 +360,7 @@ class KVBookkeeping:
         if n_tokens > self.kv_size:
             log.error("find_slot: n_tokens = %d > size = %d", n_tokens, self.kv_size)
             return None
-        if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_array.item(head_cur) < 0:
+        if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_at(head_cur) < 0:
             return self._cell_ids[head_cur:head_cur + 1]  # the decode step: the head cell is free (always usable)
         if self.fast and not cont:  # a few cells from the head, usable (free, or left behind by the window)?
             h = slot_run(self, cells, head_cur, n_tokens)
@@ -366,7 +371,7 @@ class KVBookkeeping:
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
         """Write the ubatch's positions and sequences into the slot's cells, then purge and move the heads."""
         assert ubatch.n_tokens == len(sinfo.strm) * len(sinfo.idxs[0]), "the ubatch does not fill its slot"
-        is_2d = ubatch.is_pos_2d()
+        is_2d = ubatch.n_pos >= 3  # (ubatch.is_pos_2d(), inline: every step comes here)
         if self.fast and not is_2d and (self._place_free(sinfo, ubatch) or place_over(self, sinfo, ubatch)):
             return
         n = sinfo.size()
@@ -407,9 +412,10 @@ class KVBookkeeping:
         v_cells = self.v_cells
         if len(sinfo.strm) == 1 and len(sinfo.idxs[0]) == 1 and ubatch.seq_id.shape[1] == 1:  # one token
             st, i = sinfo.strm[0], sinfo.idxs[0].item(0)
-            if v_cells[st].pos_array.item(i) >= 0:
+            cells = v_cells[st]
+            if cells.pos_at(i) >= 0:
                 return False
-            v_cells[st].place_one(i, ubatch.pos.item(0), ubatch.seq_id.item(0))
+            cells.place_one(i, ubatch.pos.item(0), ubatch.seq_id.item(0))
             self.v_heads[st] = i + 1
             return True
         if len(sinfo.idxs[0]) != 1:

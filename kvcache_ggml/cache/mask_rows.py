@@ -41,7 +41,7 @@ class _Block:
     ``epoch``."""
 
     __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "frows", "seqs", "row_of", "row_map", "used",
-                 "n_valid", "epoch", "seen", "tick", "last_view", "rows_m", "neg_i")
+                 "n_valid", "epoch", "seen", "tick", "last_view", "rows_m", "neg_i", "seq_m")
 
     def __init__(self, cells: KVCells, ftype: np.dtype, budget: int) -> None:
         self.cells = cells                                  # the stream's cells
@@ -52,6 +52,7 @@ class _Block:
         self.frows = self.rows.view(ftype)                  # the same as the mask's floats (0 and -inf): copied out
         self.rows_m = memoryview(self.rows)                 # the same for scalar writes (the decode step's patch)
         self.neg_i = int(self.neg)                          # -inf's bit pattern as a Python int
+        self.seq_m = cells.seq_words()                      # the cells' sequence bits (taken again each epoch)
         self.seqs: list[int] = []                           # sequence of each row
         self.row_of: dict[int, int] = {}                    # sequence -> its row
         self.row_map = np.full(LLAMA_MAX_SEQ, -1, np.int32)  # the same as an array (-1: no row)
@@ -69,13 +70,22 @@ class _Block:
         seen = self.seen
         n_ones = len(log.one_cells)
         if log.epoch == self.epoch and len(log.seq_changes) == seen[1] and len(log.arrays) == seen[2]:
-            if n_ones > seen[0]:  # single cells only (the decode step)
+            if n_ones > seen[0]:  # single cells only (the decode step): each in its sequence's row only
                 if self.seqs:
-                    self._patch_ones(log.one_cells, log.one_seqs, seen[0], n_ones)
+                    row_of, seq_m, rows_m, n_valid = self.row_of, self.seq_m, self.rows_m, self.n_valid
+                    one_cells, one_seqs = log.one_cells, log.one_seqs
+                    for k in range(seen[0], n_ones):  # (inline: the decode step's two or so changes)
+                        s = one_seqs[k]
+                        r = row_of.get(s)
+                        if r is not None:
+                            i = one_cells[k]
+                            if i < n_valid:
+                                rows_m[r, i] = 0 if seq_m[s >> 6, i] >> (s & 63) & 1 else self.neg_i
                 self.seen = (n_ones, seen[1], seen[2])
         else:
             if log.epoch != self.epoch:
                 self.epoch = log.epoch
+                self.seq_m = self.cells.seq_words()  # (a resize, which makes new arrays, starts an epoch)
                 self.clear(n_kv)
             elif self.seqs and not self._patch(log):
                 self.clear(n_kv)
@@ -84,17 +94,6 @@ class _Block:
             if self.seqs:
                 self._fill(slice(self.n_valid, n_kv))
             self.n_valid = n_kv
-
-    def _patch_ones(self, cells: list[int], seqs: list[int], a: int, b: int) -> None:
-        """Recompute entries [a, b) of the single-cell changes: each in its sequence's row only."""
-        row_of, seq_word = self.row_of, self.cells.seq_word
-        for k in range(a, b):
-            s = seqs[k]
-            r = row_of.get(s)
-            if r is not None:
-                i = cells[k]
-                if i < self.n_valid:
-                    self.rows_m[r, i] = 0 if seq_word(s >> 6, i) >> (s & 63) & 1 else self.neg_i
 
     def _patch(self, log: ChangeLog) -> bool:
         """Recompute what the entries logged since ``seen`` changed: a single (cell, sequence) change touches that
