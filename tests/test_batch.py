@@ -668,6 +668,38 @@ def test_split_reset_restarts():
     assert len(drain(alloc, "equal", 8)) == 1 and alloc.get_n_used() == 3
 
 
+def ubatch_fields(u):
+    return (u.n_tokens, u.n_seq_tokens, u.n_seqs, u.n_seqs_unq, u.n_pos, u.equal_seqs(), u.token.tolist(),
+            u.pos.tolist(), u.n_seq_id.tolist(), u.seq_id.tolist(), u.seq_id_unq.tolist(), u.seq_idx.tolist(),
+            u.output.tolist())
+
+
+@pytest.mark.parametrize("seqs, n_ubatch, whole", [
+    ([3], 512, True), ([0, 5, 2], 3, True), ([0, 5, 2], 2, False),  # n_ubatch below the batch: split_simple cuts
+    ([1, 1], 512, False), ([4], 0, False),  # one sequence twice; n_ubatch 0 (split_simple still takes a token)
+])
+def test_split_whole_is_reset_and_split_simple_of_a_decode_step(seqs, n_ubatch, whole):
+    """split_whole returns what split_reset + split_simple return, and leaves the allocator as they do, for a
+    decode batch the split takes whole; any other batch gets None with the allocator untouched."""
+    n = len(seqs)
+    b = Batch(token=np.arange(n, dtype=np.int32) + 7, pos=np.arange(n, dtype=np.int32) + 4 * (seqs[0] == seqs[-1]),
+              seq_id=np.array(seqs, np.int32), logits=np.array([k % 2 for k in range(n)], np.int8))
+    one, two = BatchAllocator(1), BatchAllocator(1)
+    for a in (one, two):
+        a.init(b, 100, None, 4, 8, False)
+        a.split_simple(512)  # a split before: both calls start from a reset
+    got = one.split_whole(n_ubatch)
+    two.split_reset()
+    want = two.split_simple(n_ubatch)
+    if whole:
+        assert got is not None and ubatch_fields(got) == ubatch_fields(want)
+        assert (one.get_n_used(), one.get_out_ids().tolist()) == (two.get_n_used(), two.get_out_ids().tolist())
+        assert one.split_simple(512).n_tokens == 0 == two.split_simple(512).n_tokens
+    else:
+        assert got is None and one.get_n_used() == n  # untouched: still as the earlier split left it
+    assert BatchAllocator(1).split_whole(512) is None  # no batch: None (split_reset raises the error)
+
+
 def test_debug_logging(monkeypatch, caplog):
     import kvcache_ggml.batch._allocator as allocator_module
     monkeypatch.setattr(allocator_module, "_DEBUG", None)  # restored afterwards: later allocators do not log
