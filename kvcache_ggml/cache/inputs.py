@@ -91,6 +91,10 @@ class KVInputs:
         self.kv_size = book.get_size()                # cells per stream
         # offset of element j of a transposed V row in its stream: the per-step v_idxs input adds it to each cell
         self._v_elem_offs = np.arange(hparams.n_embd_v_gqa_max(), dtype=np.int64) * self.kv_size
+        # one token's cell base in a 0-d array (set through its memoryview): np.add of two arrays skips the
+        # conversion of a Python int, about half the cost of the call
+        self._v_base0 = np.zeros((), np.int64)
+        self._v_base0_m = memoryview(self._v_base0)
         self.mask_rows = MaskRows(book)               # ready kq-mask rows, patched step to step
         # per input tensor (by the id of its pointer object): a live view of its struct's leading words, their
         # bytes when its header was read, the header, its checked data views (shape -> (types, ne, view)), and
@@ -183,7 +187,8 @@ class KVInputs:
             self.fill_v_idxs(out, ubatch, sinfo)
         elif self.v_trans:  # fill_v_idxs of one token
             elem = self._v_elem_offs
-            np.add(elem, idxs[0].item(0) + sinfo.strm[0] * self.kv_size * elem.shape[0], out=out)
+            self._v_base0_m[()] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size * elem.shape[0]
+            np.add(elem, self._v_base0, out)
         else:
             out[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
 
