@@ -229,11 +229,10 @@ class KVBookkeeping:
         A unified cache splits simply; a multi-stream cache into ubatches of equal sequence sets.  A ubatch with
         more tokens per stream than the cache has cells can never fit: ValueError.
         """
-        if self.n_stream == 1 and self.fast:  # the decode step: one ubatch of the whole batch (at most n_seq_max)
+        if self.n_stream == 1 and self.fast:  # the decode step's one ubatch (too big for the cache: split below)
             ub = balloc.split_whole(n_ubatch)
             if ub is not None and ub.n_tokens <= self.kv_size:
                 return [ub]
-            # (None: nothing done; a ubatch too big for the cache: split again below, which raises)
         balloc.split_reset()
         ubatches = []
         n_tokens = balloc.get_n_tokens()
@@ -412,10 +411,9 @@ class KVBookkeeping:
         v_cells = self.v_cells
         if len(sinfo.strm) == 1 and len(sinfo.idxs[0]) == 1 and ubatch.seq_id.shape[1] == 1:  # one token
             st, i = sinfo.strm[0], sinfo.idxs[0].item(0)
-            cells = v_cells[st]
-            if cells.pos_at(i) >= 0:
+            if v_cells[st].pos_at(i) >= 0:
                 return False
-            cells.place_one(i, ubatch.pos.item(0), ubatch.seq_id.item(0))
+            v_cells[st].place_one(i, ubatch.pos.item(0), ubatch.seq_id.item(0))
             self.v_heads[st] = i + 1
             return True
         if len(sinfo.idxs[0]) != 1:
