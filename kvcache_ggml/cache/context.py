@@ -28,6 +28,8 @@ _NO_COPIES = StreamCopyInfo((), ())  # the stream copies of a batch or full cont
 class KVCacheContext:
     """The ubatches of one batch and their slots (or an update's stream copies and K-shift) over a cache."""
 
+    __slots__ = ("status", "kv", "sinfos", "ubatches", "i_cur", "n_kv", "lctx", "do_shift", "sc_info")  # (one a step)
+
     def __init__(self, kv: KVCache | None, *, status: MemoryStatus = MemoryStatus.SUCCESS,
                  sinfos: list[SlotInfo] | None = None, ubatches: list[UBatch] | None = None) -> None:
         self.status = status                       # outcome of the init_* call
