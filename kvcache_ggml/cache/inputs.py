@@ -133,9 +133,14 @@ class KVInputs:
         ent[3][shape] = (types, ne, view)
         return view
 
-    def _remember(self, role: int, dst: Any, n_tokens: int, view: np.ndarray) -> np.ndarray:
-        """Keep ``view``, just checked by ``_host``, as the last view of set_input_* ``role`` for ``dst``."""
-        ent = self._tensors[id(dst)]
+    def _last_view(self, role: int, dst: Any, n_tokens: int, view_of: Any) -> np.ndarray:
+        """``view_of(dst, n_tokens)`` (a checked view), served from ``_last[role]`` while set_input_* ``role`` gets
+        the tensor of its last call again, for as many tokens, with its struct's words unchanged."""
+        last = self._last[role]
+        if last[0] is dst and last[1] == n_tokens and last[2].tobytes() == last[3]:
+            return last[4]
+        view = view_of(dst, n_tokens)
+        ent = self._tensors[id(dst)]  # (just read by _host)
         self._last[role] = (dst, n_tokens, ent[0], ent[1], view)
         return view
 
@@ -145,17 +150,11 @@ class KVInputs:
         """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
         n = ubatch.n_tokens
         idxs = sinfo.idxs
-        if not (n == 1 and len(idxs) == 1 and len(idxs[0]) == 1):  # (else: one token, one cell: its slot)
-            self._check_slot(ubatch, sinfo)
-        last = self._last[0]
-        if last[0] is dst and last[1] == n and last[2].tobytes() == last[3]:  # the tensor of the last call
-            out = last[4]
-        else:
-            out = self._remember(0, dst, n, self.k_idxs_view(dst, n))
-        if n == 1 and len(idxs) == 1:  # (slot checked: one cell)
-            out[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
-        else:
-            out[...] = self._token_cells(sinfo)
+        if n == 1 and len(idxs) == 1 and len(idxs[0]) == 1:  # one token, one cell (fill_k_idxs, inline: every step)
+            self._last_view(0, dst, 1, self.k_idxs_view)[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+            return
+        self._check_slot(ubatch, sinfo)
+        self.fill_k_idxs(self._last_view(0, dst, n, self.k_idxs_view), ubatch, sinfo)
 
     def k_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the k_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens]."""
@@ -175,22 +174,17 @@ class KVInputs:
         I64 [n_embd_v_gqa_max*n_tokens], element j of token i at ``strm*kv_size*n_embd + j*kv_size + idx``."""
         n = ubatch.n_tokens
         idxs = sinfo.idxs
-        one = n == 1 and len(idxs) == 1 and len(idxs[0]) == 1  # (else: one token, one cell: its slot)
-        if not one:
-            self._check_slot(ubatch, sinfo)
-        last = self._last[1]
-        if last[0] is dst and last[1] == n and last[2].tobytes() == last[3]:  # the tensor of the last call
-            out = last[4]
-        else:
-            out = self._remember(1, dst, n, self.v_idxs_view(dst, n))
-        if not one:
-            self.fill_v_idxs(out, ubatch, sinfo)
-        elif self.v_trans:  # fill_v_idxs of one token
-            elem = self._v_elem_offs
-            self._v_base0_m[()] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size * elem.shape[0]
-            np.add(elem, self._v_base0, out)
-        else:
-            out[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+        if n == 1 and len(idxs) == 1 and len(idxs[0]) == 1:  # one token, one cell (fill_v_idxs, inline: every step)
+            out = self._last_view(1, dst, 1, self.v_idxs_view)
+            if self.v_trans:
+                elem = self._v_elem_offs
+                self._v_base0_m[()] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size * elem.shape[0]
+                np.add(elem, self._v_base0, out)
+            else:
+                out[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+            return
+        self._check_slot(ubatch, sinfo)
+        self.fill_v_idxs(self._last_view(1, dst, n, self.v_idxs_view), ubatch, sinfo)
 
     def v_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the v_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens] (or
@@ -213,7 +207,8 @@ class KVInputs:
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]
         if one:
-            np.add(elem, sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd, out=out)
+            self._v_base0_m[()] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd
+            np.add(elem, self._v_base0, out)
             return
         base = np.asarray(self._token_cells(sinfo, stream_stride=self.kv_size * n_embd), np.int64)  # [n_tokens]
         np.add(base[:, None], elem, out=out.reshape(n_tokens, n_embd))
@@ -238,11 +233,7 @@ class KVInputs:
         """F32 or F16 [n_kv, n_tps, 1, n_stream]: 0 (or the ALiBi bias -|p0 - p1|) where token i may attend
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
         n = ubatch.n_tokens
-        last = self._last[2]
-        if last[0] is dst and last[1] == n and last[2].tobytes() == last[3]:  # the tensor of the last call
-            rows = last[4]
-        else:
-            rows = self._remember(2, dst, n, self.kq_mask_view(dst, n))
+        rows = self._last_view(2, dst, n, self.kq_mask_view)
         if n == 1 and self._plain and self.fast and ubatch.n_pos < 3 and rows.shape[1]:  # fill_kq_mask's decode row
             if self.mask_rows.write_one(rows, ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
                 return
