@@ -36,7 +36,7 @@ _NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i
 _ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
 
 
-_NO_LAST = (None, -1, None, None, None)  # KVInputs._last of a set_input_* that has not written yet
+_NO_LAST = (None, -1, None, None, None, None)  # KVInputs._last of a set_input_* that has not written yet
 
 
 class _HostMemory:
@@ -114,7 +114,7 @@ class KVInputs:
         ent = self._tensors.get(id(dst))  # (the entry keeps dst alive: its id stays its own)
         if ent is not None and ent[4] is dst and ent[0].tobytes() == ent[1]:
             return ent
-        words = G.header_words(dst)
+        words = memoryview(G.header_words(dst)).cast("B")  # (bytes: its tobytes is half numpy's)
         if len(self._tensors) >= 64:
             self._tensors.clear()
         ent = self._tensors[id(dst)] = (words, words.tobytes(), G.header(dst), {}, dst)
@@ -133,16 +133,18 @@ class KVInputs:
         ent[3][shape] = (types, ne, view)
         return view
 
-    def _last_view(self, role: int, dst: Any, n_tokens: int, view_of: Any) -> np.ndarray:
-        """``view_of(dst, n_tokens)`` (a checked view), served from ``_last[role]`` while set_input_* ``role`` gets
-        the tensor of its last call again, for as many tokens, with its struct's words unchanged."""
+    def _last_view(self, role: int, dst: Any, n_tokens: int, view_of: Any) -> tuple:
+        """``_last[role]``: (dst, n_tokens, header words, their bytes, ``view_of(dst, n_tokens)`` (a checked numpy
+        view), a memoryview of it for scalar writes) -- served again while set_input_* ``role`` gets the tensor of
+        its last call, for as many tokens, with its struct's words unchanged.  The set_input_* make the same test
+        inline first (a decode loop's every step) and come here when it fails."""
         last = self._last[role]
         if last[0] is dst and last[1] == n_tokens and last[2].tobytes() == last[3]:
-            return last[4]
+            return last
         view = view_of(dst, n_tokens)
         ent = self._tensors[id(dst)]  # (just read by _host)
-        self._last[role] = (dst, n_tokens, ent[0], ent[1], view)
-        return view
+        last = self._last[role] = (dst, n_tokens, ent[0], ent[1], view, memoryview(view))
+        return last
 
     # ------------------------------------------------------------------ index inputs
 
@@ -151,10 +153,13 @@ class KVInputs:
         n = ubatch.n_tokens
         idxs = sinfo.idxs
         if n == 1 and len(idxs) == 1 and len(idxs[0]) == 1:  # one token, one cell (fill_k_idxs, inline: every step)
-            self._last_view(0, dst, 1, self.k_idxs_view)[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+            last = self._last[0]
+            if last[0] is not dst or last[1] != 1 or last[2].tobytes() != last[3]:  # (_last_view's test)
+                last = self._last_view(0, dst, 1, self.k_idxs_view)
+            last[5][0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
             return
         self._check_slot(ubatch, sinfo)
-        self.fill_k_idxs(self._last_view(0, dst, n, self.k_idxs_view), ubatch, sinfo)
+        self.fill_k_idxs(self._last_view(0, dst, n, self.k_idxs_view)[4], ubatch, sinfo)
 
     def k_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the k_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens]."""
@@ -175,16 +180,18 @@ class KVInputs:
         n = ubatch.n_tokens
         idxs = sinfo.idxs
         if n == 1 and len(idxs) == 1 and len(idxs[0]) == 1:  # one token, one cell (fill_v_idxs, inline: every step)
-            out = self._last_view(1, dst, 1, self.v_idxs_view)
+            last = self._last[1]
+            if last[0] is not dst or last[1] != 1 or last[2].tobytes() != last[3]:  # (_last_view's test)
+                last = self._last_view(1, dst, 1, self.v_idxs_view)
             if self.v_trans:
                 elem = self._v_elem_offs
                 self._v_base0_m[()] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size * elem.shape[0]
-                np.add(elem, self._v_base0, out)
+                np.add(elem, self._v_base0, last[4])
             else:
-                out[0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+                last[5][0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
             return
         self._check_slot(ubatch, sinfo)
-        self.fill_v_idxs(self._last_view(1, dst, n, self.v_idxs_view), ubatch, sinfo)
+        self.fill_v_idxs(self._last_view(1, dst, n, self.v_idxs_view)[4], ubatch, sinfo)
 
     def v_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the v_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens] (or
@@ -233,7 +240,10 @@ class KVInputs:
         """F32 or F16 [n_kv, n_tps, 1, n_stream]: 0 (or the ALiBi bias -|p0 - p1|) where token i may attend
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
         n = ubatch.n_tokens
-        rows = self._last_view(2, dst, n, self.kq_mask_view)
+        last = self._last[2]
+        if last[0] is not dst or last[1] != n or last[2].tobytes() != last[3]:  # (_last_view's test)
+            last = self._last_view(2, dst, n, self.kq_mask_view)
+        rows = last[4]
         if n == 1 and self._plain and self.fast and ubatch.n_pos < 3 and rows.shape[1]:  # fill_kq_mask's decode row
             if self.mask_rows.write_one(rows, ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
                 return
