@@ -82,6 +82,7 @@ class OurCase:
                 self._decode(np.full(n, 3, np.int32), np.arange(p0, p0 + n, dtype=np.int32), np.full(n, s, np.int32))
         self.per = per
         self.n_seq = n_seq
+        self.n_seq_max = kv.n_seq_max
         self.token = np.full(n_seq, 3, np.int32)
         self.pos = np.full(n_seq, per, np.int32)
         self.seq = np.arange(n_seq, dtype=np.int32)
@@ -117,8 +118,10 @@ class OurCase:
             self.kv.seq_rm(s, self.per, -1)
 
     def step(self, level: int) -> None:
-        ba = self._allocator()
-        ba.init(self.batch, 64, self.kv, 64, self.kv.n_seq_max, False)
+        ba = BatchAllocator(1)  # (llama.cpp's loop: a new allocator each step, its arguments plain fields)
+        if self.general:
+            ba.fast = False
+        ba.init(self.batch, 64, self.kv, 64, self.n_seq_max, False)
         ctx = self.kv.init_batch(ba, 512)
         while True:
             ctx.apply()
