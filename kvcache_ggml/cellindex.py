@@ -274,11 +274,13 @@ class ChangeLog:
     current bits.  It keeps the ``epoch`` and how many entries of each kind it has seen, and reads the entries
     logged since.  A new epoch means the entries were dropped in between -- by a wholesale change (a reset), or
     because the array entries grew past ``max_cells`` cells or a list past ``max_entries`` entries (patching would
-    then cost about a rebuild) -- and the reader rebuilds.  Logging costs an append; nothing is kept for readers
-    that never come.
+    then cost about a rebuild) -- and the reader rebuilds.  ``bulk`` counts every entry of the other two kinds and
+    every drop: while it stays what a reader saw, only single cells came since (one comparison tells the decode
+    step so).  Logging costs an append; nothing is kept for readers that never come.
     """
 
-    __slots__ = ("one_cells", "one_seqs", "seq_changes", "arrays", "n_cells", "epoch", "max_cells", "max_entries")
+    __slots__ = ("one_cells", "one_seqs", "seq_changes", "arrays", "n_cells", "epoch", "bulk", "max_cells",
+                 "max_entries")
 
     def __init__(self, max_cells: int, max_entries: int = 512) -> None:
         self.one_cells: list[int] = []              # a cell that gained or lost one sequence...
@@ -287,6 +289,7 @@ class ChangeLog:
         self.arrays: list[np.ndarray] = []          # cells changed in any way
         self.n_cells = 0                            # cells in ``seq_changes`` and ``arrays`` (with repeats)
         self.epoch = 0                              # bumped when the entries are dropped
+        self.bulk = 0                               # seq_changes and arrays entries and drops, ever
         self.max_cells = max_cells                  # drop the entries beyond this many array cells...
         self.max_entries = max_entries              # ... or this many entries of a kind
 
@@ -310,11 +313,13 @@ class ChangeLog:
         """The cells ``idxs`` (int64) gained or lost sequence ``seq_ids`` (or each its own, int32 array), and
         nothing else changed in them."""
         self.seq_changes.append((idxs, seq_ids))
+        self.bulk += 1
         self._count(idxs.size, len(self.seq_changes))
 
     def add(self, idxs: np.ndarray) -> None:
         """The cells ``idxs`` (int64) changed in any way (any sequence may have joined or left them)."""
         self.arrays.append(idxs)
+        self.bulk += 1
         self._count(idxs.size, len(self.arrays))
 
     def _count(self, n: int, entries: int) -> None:
@@ -327,3 +332,4 @@ class ChangeLog:
         self.one_cells, self.one_seqs, self.seq_changes, self.arrays = [], [], [], []
         self.n_cells = 0
         self.epoch += 1
+        self.bulk += 1

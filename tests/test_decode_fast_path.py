@@ -331,6 +331,7 @@ TestSwaWrapChunked = _machine("SwaWrapChunked", kv_size=8, n_seq_max=2, unified=
 TestSwaWrapStreams = _machine("SwaWrapStreams", kv_size=6, n_seq_max=3, unified=False, n_swa=2,
                               swa_type=SwaType.STANDARD, v_trans=False)
 TestLarge = _machine("Large", kv_size=768, n_seq_max=3, unified=True)
+TestLargeStreams = _machine("LargeStreams", kv_size=512, n_seq_max=3, unified=False)  # n_kv grows in each stream
 
 
 # ---------------------------------------------------------------------------------------------- hand-made cases
@@ -363,6 +364,55 @@ def test_mask_rows_patch_and_rebuild_match_the_full_build():
             if step == 7:
                 kv.seq_keep(2)  # many cells at once: the change log is dropped, the rows rebuilt
     assert fast.inputs.mask_rows._blocks, "the ready rows were never used"
+
+
+@pytest.mark.parametrize("type_", ["f32", "f16"])
+def test_token_rows_across_streams_match_the_full_build(type_):
+    """Decode steps over per-sequence streams take the mask from the rows of the last step's tokens, patched from
+    each stream's log: through placements, an undo left in place (the cell lost its sequence), a range removal (the
+    row rebuilt), n_kv growing past 256 cells in one stream (the rows extended: the other streams' new columns
+    empty) and a change of the token set -- the bytes of the full build every time."""
+    fast, slow = make_cache(1024, 3, False), make_cache(1024, 3, False)
+    general(slow)
+
+    def decode(seqs, n=1):
+        ctxs = []
+        for kv in (fast, slow):
+            ba = BatchAllocator(1)
+            ba.init(Batch(token=np.full(n * len(seqs), 3, np.int32), seq_id=np.repeat(np.array(seqs, np.int32), n)),
+                    N_VOCAB, kv, 16, 3, False)
+            ctx = kv.init_batch(ba, 2048)
+            assert ctx.get_status() == MemoryStatus.SUCCESS
+            while True:
+                ctx.apply()
+                if not ctx.next():
+                    break
+            ctx.i_cur -= 1
+            ctxs.append(ctx)
+        return ctxs
+
+    def both(name, *args):
+        assert getattr(fast, name)(*args) == getattr(slow, name)(*args)
+
+    decode([0, 1, 2], 20)
+    for step in range(4):
+        ctxs = decode([0, 1, 2])
+        same_inputs(*ctxs, type_)
+    assert fast.inputs.mask_rows._tokens is not None and fast.inputs.mask_rows._tokens.seqs == [0, 1, 2]
+    both("seq_rm", 1, fast.seq_pos_max(1), -1)  # the undo of seq 1's step: its newest cell loses the sequence
+    same_inputs(*ctxs, type_)                    # the same tokens again: patched, cell now -inf in row 1
+    both("seq_rm", 2, 3, 9)                      # a range: row 2 rebuilt
+    ctxs = decode([0, 1, 2])
+    same_inputs(*ctxs, type_)
+    decode([0], 300)                             # stream 0 grows past 256 cells: n_kv 512 for the next step
+    ctxs = decode([0, 1, 2])
+    assert ctxs[0].get_n_kv() == ctxs[1].get_n_kv() == 512
+    same_inputs(*ctxs, type_)
+    ctxs = decode([1, 2])                        # another token set: rows from the blocks, then kept
+    same_inputs(*ctxs, type_)
+    ctxs = decode([1, 2])
+    same_inputs(*ctxs, type_)
+    assert fast.inputs.mask_rows._tokens.seqs == [1, 2]
 
 
 @pytest.mark.parametrize("unified", [True, False])

@@ -37,11 +37,11 @@ _FEW = 16                # changes of at most this many cells are patched with s
 
 class _Block:
     """The ready rows of one stream for one mask type: row r is the mask row of sequence ``seqs[r]`` over the
-    cells [0, n_valid), as of the first ``seen`` entries (of each kind) of the stream's change log in its epoch
-    ``epoch``."""
+    cells [0, n_valid), as of the first ``n_ones``, ``n_seq_changes`` and ``n_arrays`` entries of the stream's
+    change log in its epoch ``epoch``, its ``bulk`` count then ``bulk``."""
 
     __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "frows", "seqs", "row_of", "row_map", "used",
-                 "n_valid", "epoch", "seen", "tick", "last_view", "rows_m", "neg_i", "seq_m")
+                 "n_valid", "epoch", "bulk", "n_ones", "n_seq_changes", "n_arrays", "tick", "last_view", "rows_m", "neg_i", "seq_m")
 
     def __init__(self, cells: KVCells, ftype: np.dtype, budget: int) -> None:
         self.cells = cells                                  # the stream's cells
@@ -59,7 +59,10 @@ class _Block:
         self.used: list[int] = []                           # tick of each row's last use (LRU)
         self.n_valid = 0                                    # rows are exact over cells [0, n_valid)
         self.epoch = -1                                     # the log's epoch the rows belong to (none yet)
-        self.seen = (0, 0, 0)                               # log entries the rows reflect, per kind
+        self.bulk = -1                                      # the log's bulk count the rows reflect (none yet)
+        self.n_ones = 0                                     # log entries the rows reflect: single cells,...
+        self.n_seq_changes = 0                              # ... cells of one changed sequence,...
+        self.n_arrays = 0                                   # ... and cells changed in any way
         self.tick = 0                                       # writes so far (a row's last use is one of them)
         self.last_view: tuple = (-1, -1, None, None)        # (row, n_kv, frows, frows[row, :n_kv]) last written
 
@@ -67,21 +70,21 @@ class _Block:
         """Bring every row up to date over cells [0, max(n_valid, n_kv)), for a new write."""
         self.tick += 1
         log = self.log
-        seen = self.seen
-        n_ones = len(log.one_cells)
-        if log.epoch == self.epoch and len(log.seq_changes) == seen[1] and len(log.arrays) == seen[2]:
-            if n_ones > seen[0]:  # single cells only (the decode step): each in its sequence's row only
+        if log.bulk == self.bulk:  # single cells only since (the decode step): each in its sequence's row only
+            one_cells = log.one_cells
+            n_ones = len(one_cells)
+            if n_ones > self.n_ones:
                 if self.seqs:
                     row_of, seq_m, rows_m, n_valid = self.row_of, self.seq_m, self.rows_m, self.n_valid
-                    one_cells, one_seqs = log.one_cells, log.one_seqs
-                    for k in range(seen[0], n_ones):  # (inline: the decode step's two or so changes)
+                    one_seqs = log.one_seqs
+                    for k in range(self.n_ones, n_ones):  # (inline: the decode step's two or so changes)
                         s = one_seqs[k]
                         r = row_of.get(s)
                         if r is not None:
                             i = one_cells[k]
                             if i < n_valid:
                                 rows_m[r, i] = 0 if seq_m[s >> 6, i] >> (s & 63) & 1 else self.neg_i
-                self.seen = (n_ones, seen[1], seen[2])
+                self.n_ones = n_ones
         else:
             if log.epoch != self.epoch:
                 self.epoch = log.epoch
@@ -89,17 +92,18 @@ class _Block:
                 self.clear(n_kv)
             elif self.seqs and not self._patch(log):
                 self.clear(n_kv)
-            self.seen = (n_ones, len(log.seq_changes), len(log.arrays))
+            self.bulk = log.bulk
+            self.n_ones, self.n_seq_changes, self.n_arrays = len(log.one_cells), len(log.seq_changes), len(log.arrays)
         if n_kv > self.n_valid:
             if self.seqs:
                 self._fill(slice(self.n_valid, n_kv))
             self.n_valid = n_kv
 
     def _patch(self, log: ChangeLog) -> bool:
-        """Recompute what the entries logged since ``seen`` changed: a single (cell, sequence) change touches that
+        """Recompute what the entries logged since those seen changed: a single (cell, sequence) change touches that
         sequence's row only (scalar Python: the decode step), cells of one changed sequence each its row, other
         changes every row.  False when so many cells changed that rebuilding the rows pays."""
-        n_ones, n_seq, n_arrays = self.seen
+        n_ones, n_seq, n_arrays = self.n_ones, self.n_seq_changes, self.n_arrays
         n = self.n_valid
         bits, rows, neg = self.cells.seq_bits, self.rows, self.neg
         if len(log.arrays) > n_arrays:
@@ -190,6 +194,77 @@ class _Block:
             self.rows[:n_rows, cols] = hidden * self.neg
 
 
+class _TokenRows:
+    """The mask rows of the tokens of the last multi-stream write, row i = token i's (the row of its sequence in its
+    stream) over cells [0, n_valid): while the same tokens come again (a decode loop over per-sequence streams) each
+    row is patched from its stream's change log and the write is one copy, instead of a block lookup, a sync and a
+    copy per token.  A token's row follows the first ``n_ones[i]`` single-cell entries of its stream's log, whose
+    ``bulk`` count was ``bulk[i]``; any other change since rebuilds that row from the sequence bits.  The cells of a
+    stream are one object for the cache's life (KVBookkeeping makes them once), so their logs are too."""
+
+    __slots__ = ("seqs", "ftype", "rows", "frows", "rows_m", "neg", "neg_i", "n_valid", "cells", "logs", "seq_m",
+                 "bulk", "n_ones", "last_view")
+
+    def __init__(self, seqs: list[int], cells: list[KVCells], out: np.ndarray) -> None:
+        n_kv = out.shape[1]
+        itype, self.neg = NEG_INF_BITS[out.dtype]
+        self.seqs = seqs                                     # sequence of each token (row)
+        self.ftype = out.dtype                               # the mask's float type
+        self.rows = np.empty((len(seqs), cells[0].size()), itype)  # [n_tokens, size] bit patterns
+        self.frows = self.rows.view(out.dtype)               # the same as floats
+        self.frows[:, :n_kv] = out                           # a mask just written: the rows as of the logs now
+        self.rows_m = memoryview(self.rows)                  # scalar patches
+        self.neg_i = int(self.neg)                           # -inf's bit pattern as a Python int
+        self.n_valid = n_kv                                  # rows are exact over cells [0, n_valid)
+        self.cells = cells                                   # each token's stream cells...
+        self.logs = [c.change_log for c in cells]            # ... their change logs
+        self.seq_m = [c.seq_words() for c in cells]          # ... their sequence bits (taken again each epoch)
+        self.bulk = [log.bulk for log in self.logs]          # each row's log position: bulk count...
+        self.n_ones = [len(log.one_cells) for log in self.logs]  # ... and single-cell entries seen
+        self.last_view = (-1, None)                          # (n_kv, frows[:, :n_kv]) of the last write
+
+    def write(self, out: np.ndarray, pos: list[int], causal: bool) -> bool:
+        """Bring every row up to date over [0, n_kv) and copy the rows into ``out`` [n_tokens, n_kv] -- False
+        (``out`` unwritten) when a token at ``pos`` needs its positions tested (as :meth:`MaskRows.write`)."""
+        n_kv = out.shape[1]
+        rows_m, n_valid, neg_i, bulk, n_ones = self.rows_m, self.n_valid, self.neg_i, self.bulk, self.n_ones
+        i = 0
+        for log, s, cells, p in zip(self.logs, self.seqs, self.cells, pos):
+            lo, hi = cells.seq_pos_bounds(s)
+            if lo < 0 or (causal and hi > p):  # (rows patched so far stay exact)
+                return False
+            if log.bulk != bulk[i]:
+                self._rebuild(i)
+            else:
+                one_cells = log.one_cells
+                m, k = len(one_cells), n_ones[i]
+                if m > k:  # (the decode step's one or two single cells per stream)
+                    one_seqs, seq_m = log.one_seqs, self.seq_m[i]
+                    for k in range(k, m):
+                        if one_seqs[k] == s:
+                            c = one_cells[k]
+                            if c < n_valid:
+                                rows_m[i, c] = 0 if seq_m[s >> 6, c] >> (s & 63) & 1 else neg_i
+                    n_ones[i] = m
+            i += 1
+        if n_kv > n_valid:
+            for i, (cells, s) in enumerate(zip(self.cells, self.seqs)):
+                np.multiply(cells.seq_absent(s, n_kv)[n_valid:], self.neg, out=self.rows[i, n_valid:n_kv])
+            self.n_valid = n_kv
+        view = self.last_view
+        if view[0] != n_kv:
+            view = self.last_view = (n_kv, self.frows[:, :n_kv])
+        out[...] = view[1]
+        return True
+
+    def _rebuild(self, i: int) -> None:
+        """Row i from its sequence's bits, after a change other than single cells (or a dropped log)."""
+        cells, log, s = self.cells[i], self.logs[i], self.seqs[i]
+        self.seq_m[i] = cells.seq_words()
+        np.multiply(cells.seq_absent(s, self.n_valid), self.neg, out=self.rows[i, :self.n_valid])
+        self.bulk[i], self.n_ones[i] = log.bulk, len(log.one_cells)
+
+
 class MaskRows:
     """The ready rows of every stream, per mask type; :meth:`write_one` and :meth:`write` fill a mask from them.
 
@@ -203,6 +278,7 @@ class MaskRows:
         self.budget = budget                              # bytes per block
         self._blocks: dict[tuple[int, np.dtype], _Block] = {}  # (stream, mask type) -> rows
         self._last: tuple = (-1, None, None)              # (stream, mask type, block) of the last write_one
+        self._tokens: _TokenRows | None = None            # the rows of the last multi-stream write's tokens
 
     def write_one(self, rows: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
         """Fill the mask ``rows`` [1, n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
@@ -258,26 +334,34 @@ class MaskRows:
         return True
 
     def _write_streams(self, out: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
-        """:meth:`write` over several streams: each token's row from its sequence's stream, each block synced once."""
+        """:meth:`write` over several streams: the rows of the last such write again (:class:`_TokenRows`) when the
+        same tokens come, else each token's row from its sequence's stream block, each block synced once."""
+        tokens = self._tokens
+        if tokens is not None and tokens.seqs == seq_ids and tokens.ftype is out.dtype:
+            return tokens.write(out, pos, causal)
         book = self.book
         stream_of, v_cells = book.stream_of, book.v_cells
         for s, p in zip(seq_ids, pos):
             lo, hi = v_cells[stream_of[s]].seq_pos_bounds(s)
             if lo < 0 or (causal and hi > p):  # (lo -1: no cell, or a cell at -1)
                 return False
+        if not self._write_blocks(out, seq_ids):
+            return False
+        self._tokens = _TokenRows(list(seq_ids), [v_cells[stream_of[s]] for s in seq_ids], out)
+        return True
+
+    def _write_blocks(self, out: np.ndarray, seq_ids: list[int]) -> bool:
+        """Each token's row of ``out`` from its sequence's stream block."""
+        book = self.book
+        stream_of, v_cells = book.stream_of, book.v_cells
         n_kv = out.shape[1]
         ftype = out.dtype
-        synced, blocks = {}, self._blocks
+        synced = {}
         for i, s in enumerate(seq_ids):
             st = stream_of[s]
             block = synced.get(st)
             if block is None:
-                block = blocks.get((st, ftype))  # (_block, inline: every token of the step comes here)
-                if block is None or block.cells is not v_cells[st]:
-                    block = self._block(st, ftype, n_kv)
-                else:
-                    block.sync(n_kv)
-                synced[st] = block
+                block = synced[st] = self._block(st, ftype, n_kv)
             r = block.row_of.get(s)
             if r is None:
                 r = block.row(s)
@@ -285,10 +369,7 @@ class MaskRows:
                     return False
             else:
                 block.used[r] = block.tick
-            view = block.last_view  # (one sequence per stream: the same row of each block step after step)
-            if view[0] != r or view[1] != n_kv or view[2] is not block.frows:
-                view = block.last_view = (r, n_kv, block.frows, block.frows[r, :n_kv])
-            out[i] = view[3]
+            out[i] = block.frows[r, :n_kv]
         return True
 
     def _block(self, strm: int, ftype: np.dtype, n_kv: int) -> _Block:
