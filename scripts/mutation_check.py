@@ -103,10 +103,8 @@ MUTATIONS = [
      "        if h > c.get_used() + 2:  # find_slot's restart at cell 0\n",
      "        if h > c.get_used() + 3:  # find_slot's restart at cell 0\n"),
     ("kept mask row view ignores n_kv", "kvcache_ggml/cache/mask_rows.py",
-     "        if view[0] != r or view[1] != n_kv or view[2] is not block.frows:\n"
-     "            view = block.last_view = (r, n_kv, block.frows, block.frows[r, :n_kv])\n        rows[0]",
-     "        if view[0] != r or view[2] is not block.frows:\n"
-     "            view = block.last_view = (r, n_kv, block.frows, block.frows[r, :n_kv])\n        rows[0]"),
+     "        if view[0] != n_kv:\n",
+     "        if view[1] is None:\n"),
     ("state: v_trans flag written", "kvcache_ggml/cache/state_codec.py",
      "io.write(DATA_HDR.pack(int(t.v_trans), len(t.layers)))",
      "io.write(DATA_HDR.pack(int(not t.v_trans), len(t.layers)))"),

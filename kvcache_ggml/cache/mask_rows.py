@@ -11,9 +11,13 @@ the sequence test does not, and the row depends on the sequence bits alone: -inf
 bit patterns of the mask's float type -- and brings it up to date from the stream's change log
 (:class:`~kvcache_ggml.cellindex.ChangeLog`, ``KVCells.change_log``): a cell that gained or lost one sequence is
 recomputed in that sequence's row only (scalar Python for the decode step's single cells), other changed cells in
-every row of the block at once, and cells beyond what the rows cover yet are computed when ``n_kv`` grows.  A dropped log (a reset, or more changes than patching
-pays for) empties the block; rows are then rebuilt as tokens need them.  Writing a token's row into the mask is one
-copy of ``n_kv`` values.  Memory is bounded (``budget`` bytes per block; the least recently used row gives way).
+every row of the block at once, and cells beyond what the rows cover yet are computed when ``n_kv`` grows.  A
+dropped log (a reset, or more changes than patching pays for) empties the block; rows are then rebuilt as tokens
+need them.  Memory is bounded (``budget`` bytes per block; the least recently used row gives way).
+
+A decode loop sends the same tokens step after step.  The rows of the last one-token write and of the last
+multi-stream write are kept once more in token order (:class:`_TokenRows`), each patched from its stream's log, so
+that such a step's mask is one copy of ``n_tokens x n_kv`` values after a few scalar patches.
 
 :meth:`KVInputs.set_input_kq_mask` uses it when every token of the ubatch qualifies and builds the mask in full
 (:mod:`.masks`) otherwise, with the same bytes (tests/test_decode_fast_path.py compares both on random traces).
@@ -41,7 +45,7 @@ class _Block:
     change log in its epoch ``epoch``, its ``bulk`` count then ``bulk``."""
 
     __slots__ = ("cells", "log", "itype", "neg", "cap", "rows", "frows", "seqs", "row_of", "row_map", "used",
-                 "n_valid", "epoch", "bulk", "n_ones", "n_seq_changes", "n_arrays", "tick", "last_view", "rows_m", "neg_i", "seq_m")
+                 "n_valid", "epoch", "bulk", "n_ones", "n_seq_changes", "n_arrays", "tick", "rows_m", "neg_i", "seq_m")
 
     def __init__(self, cells: KVCells, ftype: np.dtype, budget: int) -> None:
         self.cells = cells                                  # the stream's cells
@@ -64,7 +68,6 @@ class _Block:
         self.n_seq_changes = 0                              # ... cells of one changed sequence,...
         self.n_arrays = 0                                   # ... and cells changed in any way
         self.tick = 0                                       # writes so far (a row's last use is one of them)
-        self.last_view: tuple = (-1, -1, None, None)        # (row, n_kv, frows, frows[row, :n_kv]) last written
 
     def sync(self, n_kv: int) -> None:
         """Bring every row up to date over cells [0, max(n_valid, n_kv)), for a new write."""
@@ -195,10 +198,10 @@ class _Block:
 
 
 class _TokenRows:
-    """The mask rows of the tokens of the last multi-stream write, row i = token i's (the row of its sequence in its
-    stream) over cells [0, n_valid): while the same tokens come again (a decode loop over per-sequence streams) each
-    row is patched from its stream's change log and the write is one copy, instead of a block lookup, a sync and a
-    copy per token.  A token's row follows the first ``n_ones[i]`` single-cell entries of its stream's log, whose
+    """The mask rows of the tokens of the last one-token write, or of the last multi-stream write, row i = token i's
+    (the row of its sequence in its stream) over cells [0, n_valid): while the same tokens come again (a decode
+    loop) each row is patched from its stream's change log and the write is one copy, instead of a block lookup, a
+    sync and a copy per token.  A token's row follows the first ``n_ones[i]`` single-cell entries of its stream's log, whose
     ``bulk`` count was ``bulk[i]``; any other change since rebuilds that row from the sequence bits.  The cells of a
     stream are one object for the cache's life (KVBookkeeping makes them once), so their logs are too."""
 
@@ -277,11 +280,14 @@ class MaskRows:
         self.book = book                                  # the cells the rows are derived from
         self.budget = budget                              # bytes per block
         self._blocks: dict[tuple[int, np.dtype], _Block] = {}  # (stream, mask type) -> rows
-        self._last: tuple = (-1, None, None)              # (stream, mask type, block) of the last write_one
+        self._one: _TokenRows | None = None               # the row of the last write_one's token
         self._tokens: _TokenRows | None = None            # the rows of the last multi-stream write's tokens
 
     def write_one(self, rows: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
         """Fill the mask ``rows`` [1, n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
+        one = self._one  # (the same sequence and type step after step: its row patched from the log, one copy)
+        if one is not None and one.seqs[0] == seq_id and one.ftype is rows.dtype:
+            return one.write(rows, (p1,), causal)
         book = self.book
         strm = book.stream_of[seq_id]
         cells = book.v_cells[strm]
@@ -289,23 +295,10 @@ class MaskRows:
         if lo < 0 or (causal and hi > p1):  # (lo -1: no cell, or a cell at -1)
             return False
         n_kv = rows.shape[1]
-        ftype = rows.dtype
-        last = self._last  # the block of the last one-token write: the same stream and type step after step
-        if last[0] == strm and last[1] is ftype and last[2].cells is cells:
-            block = last[2]
-            block.sync(n_kv)
-        else:
-            block = self._block(strm, ftype, n_kv)
-            self._last = (strm, ftype, block)
-        r = block.row_of.get(seq_id)
-        if r is None:
-            r = block.row(seq_id)  # (never None: the least recently used row served an earlier write)
-        else:
-            block.used[r] = block.tick
-        view = block.last_view
-        if view[0] != r or view[1] != n_kv or view[2] is not block.frows:
-            view = block.last_view = (r, n_kv, block.frows, block.frows[r, :n_kv])
-        rows[0] = view[3]  # (an item assignment: half the cost of np.copyto's dispatch)
+        block = self._block(strm, rows.dtype, n_kv)
+        r = block.row(seq_id)  # (never None: the least recently used row served an earlier write)
+        rows[0] = block.frows[r, :n_kv]
+        self._one = _TokenRows([seq_id], [cells], rows)
         return True
 
     def write(self, rows: np.ndarray, seq_ids: list[int], pos: list[int], causal: bool) -> bool:
