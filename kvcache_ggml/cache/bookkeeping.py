@@ -329,7 +329,7 @@ class KVBookkeeping:
         n_tokens = ubatch.n_tokens
         if self.n_stream == 1:  # every sequence is in stream 0
             idx = self._slot_in(0, n_tokens, cont)
-            return SlotInfo() if idx is None else SlotInfo(0, 0, [0], [idx])
+            return SlotInfo() if idx is None else SlotInfo(0, 0, [0], [idx], idx.item(0) if n_tokens == 1 else -1)
         if n_tokens % ubatch.n_seqs_unq:
                 raise RuntimeError(f"ubatch of {n_tokens} tokens is not split evenly over {ubatch.n_seqs_unq} "
                                    "sequences (use split_equal with a multi-stream cache)")
@@ -348,7 +348,7 @@ class KVBookkeeping:
                 return SlotInfo()
             strms.append(strm)
             idxs.append(idx)
-        return SlotInfo(min(strms), max(strms), strms, idxs)
+        return SlotInfo(min(strms), max(strms), strms, idxs, idx.item(0) if n_tokens == 1 and len(seqs) == 1 else -1)
 
     def _slot_in(self, strm: int, n_tokens: int, cont: bool) -> np.ndarray | None:
         """find_slot in one stream: ``n_tokens`` cells from its head (int64), or None when there is no room."""
@@ -405,12 +405,12 @@ class KVBookkeeping:
             self.v_heads[st] = int(idx[-1]) + 1
 
     def _place_free(self, sinfo: SlotInfo, ubatch: UBatch) -> bool:
-        """apply_ubatch's fast path (no 2-D positions): when every cell of the slot is empty -- always without SWA
-        -- place the tokens (one cell per stream with scalar Python: the decode step) and move the heads, as the
-        general path would; False, with nothing done, when some cell is occupied (then the purge is needed)."""
+        """apply_ubatch's fast path (no 2-D positions): with every cell of the slot empty (always without SWA), place
+        the tokens (the decode step: scalar Python) and move the heads; False, nothing done, if one is occupied."""
         v_cells = self.v_cells
-        if len(sinfo.strm) == 1 and len(sinfo.idxs[0]) == 1 and ubatch.seq_id.shape[1] == 1:  # one token
-            st, i = sinfo.strm[0], sinfo.idxs[0].item(0)
+        i = sinfo.cell
+        if i >= 0 and ubatch.seq_id.shape[1] == 1:  # one token (of one sequence) in one stream
+            st = sinfo.strm[0]
             if v_cells[st].pos_at(i) >= 0:
                 return False
             v_cells[st].place_one(i, ubatch.pos.item(0), ubatch.seq_id.item(0))

@@ -151,12 +151,11 @@ class KVInputs:
     def set_input_k_idxs(self, dst: Any, ubatch: UBatch, sinfo: SlotInfo) -> None:
         """I64 [n_tokens]: the row of the (stream-merged) K cache each token is written to."""
         n = ubatch.n_tokens
-        idxs = sinfo.idxs
-        if n == 1 and len(idxs) == 1 and len(idxs[0]) == 1:  # one token, one cell (fill_k_idxs, inline: every step)
+        if n == 1 and sinfo.cell >= 0:  # one token, one cell (fill_k_idxs, inline: every step)
             last = self._last[0]
             if last[0] is not dst or last[1] != 1 or last[2].tobytes() != last[3]:  # (_last_view's test)
                 last = self._last_view(0, dst, 1, self.k_idxs_view)
-            last[5][0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+            last[5][0] = sinfo.cell + sinfo.strm[0] * self.kv_size
             return
         self._check_slot(ubatch, sinfo)
         self.fill_k_idxs(self._last_view(0, dst, n, self.k_idxs_view)[4], ubatch, sinfo)
@@ -178,17 +177,16 @@ class KVInputs:
         """I64 [n_tokens] (V rows), or with a transposed V one row per element:
         I64 [n_embd_v_gqa_max*n_tokens], element j of token i at ``strm*kv_size*n_embd + j*kv_size + idx``."""
         n = ubatch.n_tokens
-        idxs = sinfo.idxs
-        if n == 1 and len(idxs) == 1 and len(idxs[0]) == 1:  # one token, one cell (fill_v_idxs, inline: every step)
+        if n == 1 and sinfo.cell >= 0:  # one token, one cell (fill_v_idxs, inline: every step)
             last = self._last[1]
             if last[0] is not dst or last[1] != 1 or last[2].tobytes() != last[3]:  # (_last_view's test)
                 last = self._last_view(1, dst, 1, self.v_idxs_view)
             if self.v_trans:
                 elem = self._v_elem_offs
-                self._v_base0_m[()] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size * elem.shape[0]
+                self._v_base0_m[()] = sinfo.cell + sinfo.strm[0] * self.kv_size * elem.shape[0]
                 np.add(elem, self._v_base0, last[4])
             else:
-                last[5][0] = idxs[0].item(0) + sinfo.strm[0] * self.kv_size
+                last[5][0] = sinfo.cell + sinfo.strm[0] * self.kv_size
             return
         self._check_slot(ubatch, sinfo)
         self.fill_v_idxs(self._last_view(1, dst, n, self.v_idxs_view)[4], ubatch, sinfo)

@@ -201,9 +201,9 @@ class _TokenRows:
     """The mask rows of the tokens of the last one-token write, or of the last multi-stream write, row i = token i's
     (the row of its sequence in its stream) over cells [0, n_valid): while the same tokens come again (a decode
     loop) each row is patched from its stream's change log and the write is one copy, instead of a block lookup, a
-    sync and a copy per token.  A token's row follows the first ``n_ones[i]`` single-cell entries of its stream's log, whose
-    ``bulk`` count was ``bulk[i]``; any other change since rebuilds that row from the sequence bits.  The cells of a
-    stream are one object for the cache's life (KVBookkeeping makes them once), so their logs are too."""
+    sync and a copy per token.  A token's row follows the first ``n_ones[i]`` single-cell entries of its stream's
+    log, whose ``bulk`` count was ``bulk[i]``; any other change since rebuilds that row from the sequence bits.  The
+    cells of a stream are one object for the cache's life (KVBookkeeping makes them once), so their logs are too."""
 
     __slots__ = ("seqs", "ftype", "rows", "frows", "rows_m", "neg", "neg_i", "n_valid", "cells", "logs", "seq_m",
                  "bulk", "n_ones", "last_view")

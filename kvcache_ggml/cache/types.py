@@ -81,6 +81,7 @@ class SlotInfo:
     s1: int = 0                                               # last stream of the ubatch
     strm: list[int] = field(default_factory=list)             # stream of each sequence set
     idxs: list[np.ndarray] = field(default_factory=list)      # int64 [n_tokens_per_stream] cells, per stream
+    cell: int = -1  # find_slot's one-token slot in one stream: its cell as an int (no numpy to read); else -1
 
     def n_stream(self) -> int:
         return len(self.strm)
@@ -106,6 +107,7 @@ class SlotInfo:
     def resize(self, n: int) -> None:
         self.strm = [0] * n
         self.idxs = [np.empty(0, np.int64) for _ in range(n)]
+        self.cell = -1
 
 
 @dataclass(slots=True)
