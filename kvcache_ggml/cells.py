@@ -55,7 +55,7 @@ class KVCells(OneCellAPI):
     :class:`~kvcache_ggml.cellapi.OneCellAPI`'s."""
 
     __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_used", "_seq_pos", "_log", "_newest", "_pos_m",
-                 "_seq_m")
+                 "_seq_m", "_shift_m", "_ext_m")
 
     def __init__(self, size: int = 0) -> None:
         self._pos = np.empty(0, np.int32)                # [size] position, -1 = empty
@@ -67,13 +67,15 @@ class KVCells(OneCellAPI):
         self._seq_pos: dict[int, PosMultiset] = {}      # seq id -> multiset of its positions
         self._log = ChangeLog(0)                         # cells whose sequence set changed
         self._newest: dict[int, int] = {}                # seq id -> cell of its last placement (a hint only)
-        # memoryviews of _pos and _seq: the decode step's scalar access, cheaper than numpy's (_views() remakes them)
-        self._pos_m = self._seq_m = memoryview(b"")
+        # memoryviews of the arrays: the decode step's scalar access, cheaper than numpy's (_views() remakes them)
+        self._pos_m = self._seq_m = self._shift_m = self._ext_m = memoryview(b"")
         self.resize(size)
 
     def _views(self) -> None:
         self._pos_m = memoryview(self._pos)
         self._seq_m = memoryview(self._seq)
+        self._shift_m = memoryview(self._shift)
+        self._ext_m = memoryview(self._ext)
 
     # ------------------------------------------------------------------ whole-stream operations
 
@@ -364,9 +366,9 @@ class KVCells(OneCellAPI):
         if word or seq_m[0, i] or seq_m[1, i] or seq_m[2, i] or seq_m[3, i]:  # (SEQ_WORDS words)
             return -1
         self._pos_m[i] = -1
-        self._ext[i, 0] = 0
-        self._ext[i, 1] = 0
-        self._shift[i] = 0
+        self._ext_m[i, 0] = 0
+        self._ext_m[i, 1] = 0
+        self._shift_m[i] = 0
         self._used.erase_one(i)
         return i
 
