@@ -19,9 +19,10 @@ Columns: tokens/s of the decode steps for both and the ratio (ours / llama.cpp, 
 each step's batch and taking its logits into numpy on both sides; ``core``: the same ratio for the decode call alone
 (``Context.decode`` / ``llama_decode``); ``cpu``: the ratio of the steps' CPU time of the calling thread (what a busy
 machine skews least; with more than one thread it leaves out the other threads' share); ``prompt``: the ratio for
-the prompt batch.  Both sides run on the same CPUs (``--no-pin``: any CPU).  Then our host time per step
-split into batch splitting, cache bookkeeping, memory updates, input setting, graph build and compute (with the
-logits read back), and the C calls and tensor-struct reads per step.
+the prompt batch.  Both sides run on the same CPUs (``--no-pin``: any CPU), both contexts without performance
+timings (``no_perf``, llama.cpp's default).  Then our host time per step split into batch splitting, cache
+bookkeeping, memory updates, input setting, graph build and compute (with the logits read back), from two more runs
+of a context that times them (``no_perf=False``), and the C calls and tensor-struct reads per step.
 
     .venv/bin/python benchmarks/bench_runtime.py [--models tiny,real] [--n-par 1,4,8] [--modes fa-streams,...]
                                                  [--threads 1] [--real-threads 2] [--reps 5] [--json out.json]
@@ -94,7 +95,7 @@ class Result:
     gen_s: float = float("inf")             # ours: the n_gen steps with their batches
     decode_s: float = float("inf")          # ours: the Context.decode calls of those steps
     cpu_s: float = float("inf")             # ours: this thread's CPU time of those steps
-    split: dict = field(default_factory=dict)  # ours: StepTimes of the best decode run
+    split: dict = field(default_factory=dict)  # ours: StepTimes of the best decode run of a timed context
     calls: float = 0.0                      # ours: C calls per step
     reads: float = 0.0                      # ours: tensor struct reads per step
     llama: dict | None = None               # llama.cpp's best prompt_s, gen_s, decode_s (None: not run)
@@ -123,7 +124,9 @@ def our_rep(ctx: Context, prompt: np.ndarray, cfg: Config, res: Result) -> None:
     dt = time.perf_counter() - t0
     res.cpu_s = min(res.cpu_s, time.thread_time() - c0)
     if dt < res.gen_s:
-        res.gen_s, res.decode_s, res.split = dt, spent, ctx.times.as_dict()
+        res.gen_s, res.decode_s = dt, spent
+    if not ctx.cparams.no_perf and (not res.split or dt < res.split["wall"]):
+        res.split = dict(ctx.times.as_dict(), wall=dt)
 
 
 def count_calls(ctx: Context, cfg: Config, res: Result, steps: int = 8) -> None:
@@ -160,6 +163,14 @@ def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: boo
                         best["gen_s"], best["decode_s"] = ans["gen_s"], ans["decode_s"]
                     res.llama = best
             count_calls(ctx, cfg, res)
+        # the phase split from a context that times them (no_perf off: a few clock reads per step more than the
+        # timed runs above, which run as llama.cpp's context does, without them)
+        with Context(model, n_threads=cfg.threads, n_threads_batch=cfg.threads, no_perf=False,
+                     **cfg.params()) as ctx:
+            scratch = Result()
+            for _ in range(2):
+                our_rep(ctx, prompt, cfg, scratch)
+            res.split = scratch.split
     finally:
         if session is not None:
             session.close()

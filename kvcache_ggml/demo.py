@@ -278,7 +278,7 @@ def run(args: argparse.Namespace, model_path: Path) -> int:
     params = RuntimeParams(n_ctx=args.n_ctx, n_batch=max(args.n_ctx, args.prompt_len, 512), n_ubatch=512,
                            n_seq_max=args.n_par, kv_unified=args.unified, flash_attn=args.flash_attn,
                            type_k=args.type_k, type_v=args.type_v, n_threads=args.threads,
-                           n_threads_batch=args.threads, swa_full=args.swa_full)
+                           n_threads_batch=args.threads, swa_full=args.swa_full, no_perf=False)
     t_load = time.perf_counter()
     with load_model(model_path) as model:
         hp = model.hparams

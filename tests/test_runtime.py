@@ -55,6 +55,23 @@ MODES = [pytest.param(fa, uni, id=f"{'fa' if fa else 'nofa'}-{'unified' if uni e
 
 # ---------------------------------------------------------------------------------------------- generation
 
+@pytest.mark.parametrize("no_perf", [True, False])
+def test_no_perf_keeps_the_counts_and_times_only_when_off(model, no_perf):
+    """llama.cpp's ``no_perf`` (default True): StepTimes counts every decode, ubatch and token either way; the
+    phases' seconds are measured only with no_perf=False -- on the general path (a prompt) and the fused step."""
+    with ctx_of(model, no_perf=no_perf, n_seq_max=2) as ctx:
+        ctx.decode(Batch(token=tokens(8), seq_id=np.repeat(np.arange(2, dtype=np.int32), 4),
+                         pos=np.tile(np.arange(4, dtype=np.int32), 2), logits=np.ones(8, np.int8)))
+        for i in range(4):
+            ctx.decode(Batch(token=tokens(2, i), pos=np.full(2, 4 + i, np.int32), seq_id=np.arange(2, dtype=np.int32),
+                             logits=np.ones(2, np.int8)))
+        ctx.decode(Batch(token=tokens(1), pos=np.array([8], np.int32)))  # one token of sequence 0
+        tm = ctx.times
+        assert (tm.n_decode, tm.n_tokens) == (6, 17) and ctx.fused.n_steps >= 3
+        phases = (tm.batch, tm.bookkeeping, tm.inputs, tm.compute)
+        assert all(t == 0.0 for t in phases) if no_perf else all(t > 0.0 for t in phases), phases
+
+
 @pytest.mark.parametrize("fa,unified", MODES)
 def test_prompt_then_decode(model, ref, fa, unified):
     toks = tokens(24)

@@ -264,7 +264,7 @@ _HOST_PHASES = ("batch", "bookkeeping", "update", "inputs", "build")
 def _time_steps(model: Model, backend: str, n_seq: int, n_prompt: int, n_gen: int, threads: int) -> StepRow:
     n_ctx = n_seq * (n_prompt + n_gen + 16)
     with Context(model, n_ctx=n_ctx, n_batch=n_seq * n_prompt, n_ubatch=512, n_seq_max=n_seq, flash_attn=True,
-                 type_k="f16", type_v="f16", n_threads=threads, n_threads_batch=threads) as ctx:
+                 type_k="f16", type_v="f16", n_threads=threads, n_threads_batch=threads, no_perf=False) as ctx:
         rng = np.random.default_rng(n_seq)
         seqs = np.arange(n_seq, dtype=np.int32)
         tok = rng.integers(3, model.n_vocab, n_seq * n_prompt).astype(np.int32)

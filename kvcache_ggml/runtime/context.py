@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, fields
 from os import PathLike
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from .graph import DecoderGraph
 __all__ = ["Context", "RuntimeParams", "DecodeError", "StepTimes"]
 
 _perf = time.perf_counter
+_no_clock = float  # the clock of a context with no_perf: float() is 0.0, a C call as cheap as a clock
 _SUCCESS = int(G.Status.SUCCESS)
 
 
@@ -73,6 +74,8 @@ class RuntimeParams:
     fa_cast_f32_kv: bool = False      # cast an F32 K/V cache to F16 before flash attention, as llama.cpp does
     graph_reuse: bool = True          # compute the previous graph again when its topology fits the ubatch
     swa_full: bool = True             # sliding-window models: a full-size SWA cache (llama.cpp's default)
+    no_perf: bool = True              # no host timings: StepTimes keeps its counts, its seconds stay 0 (llama.cpp's
+    #                                   default; False measures each phase of each step)
 
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
@@ -83,7 +86,7 @@ class RuntimeParams:
                              yarn_ext_factor=self.yarn_ext_factor, yarn_attn_factor=self.yarn_attn_factor,
                              yarn_beta_fast=self.yarn_beta_fast, yarn_beta_slow=self.yarn_beta_slow,
                              yarn_orig_ctx=self.yarn_orig_ctx, flash_attn=self.flash_attn,
-                             offload_kqv=self.offload_kqv, kv_unified=self.kv_unified)
+                             offload_kqv=self.offload_kqv, kv_unified=self.kv_unified, no_perf=self.no_perf)
 
     def check(self) -> None:
         for name in ("n_batch", "n_ubatch", "n_seq_max", "n_threads", "n_threads_batch"):
@@ -99,7 +102,8 @@ class RuntimeParams:
 
 @dataclass(slots=True)
 class StepTimes:
-    """Host seconds spent per phase since the last :meth:`reset` (and counts)."""
+    """Host seconds spent per phase since the last :meth:`reset` (and counts).  The seconds are measured only by a
+    context made with ``no_perf=False``; otherwise they stay 0 (llama.cpp's default: no performance timings)."""
 
     batch: float = 0.0          # BatchAllocator: validation, auto-fill and the ubatch splits
     bookkeeping: float = 0.0    # the cache's cells: slot search (prepare), apply(), n_kv
@@ -128,8 +132,9 @@ class _TimedSplits:
     time can be divided between the splits and the slot search).  One per context, reused every step; the other
     methods the caches call are the allocator's own bound methods."""
 
-    def __init__(self, balloc: BatchAllocator) -> None:
+    def __init__(self, balloc: BatchAllocator, clock: Callable[[], float]) -> None:
         self._balloc = balloc
+        self._clock = clock
         self.seconds = 0.0
         for name in ("split_reset", "get_n_tokens", "get_n_used", "get_n_outputs", "ubatch_reserve"):
             setattr(self, name, getattr(balloc, name))
@@ -138,18 +143,18 @@ class _TimedSplits:
         return getattr(self._balloc, name)
 
     def split_simple(self, n_ubatch: int) -> Any:
-        t0 = _perf()
+        t0 = self._clock()
         try:
             return self._balloc.split_simple(n_ubatch)
         finally:
-            self.seconds += _perf() - t0
+            self.seconds += self._clock() - t0
 
     def split_equal(self, n_ubatch: int, sequential: bool) -> Any:
-        t0 = _perf()
+        t0 = self._clock()
         try:
             return self._balloc.split_equal(n_ubatch, sequential)
         finally:
-            self.seconds += _perf() - t0
+            self.seconds += self._clock() - t0
 
 
 class Context:
@@ -201,7 +206,8 @@ class Context:
         self.output_ids = np.zeros(0, np.int32)                  # batch index -> logits row (-1: no output);
         #                                                          read-only when every token is an output
         # what decode() reads every step, resolved once
-        self._splits = _TimedSplits(self.balloc)                 # the allocator, its splits timed
+        self._clock = _no_clock if self.cparams.no_perf else _perf  # the phases' clock (no_perf: always 0.0)
+        self._splits = _TimedSplits(self.balloc, self._clock)    # the allocator, its splits timed
         self._n_embd = int(hp.n_embd)
         self._balloc_seq_max = LLAMA_MAX_SEQ if params.kv_unified else self.cparams.n_seq_max
         self._iota = np.arange(self.cparams.n_batch, dtype=np.int32)  # read-only 0..n_batch-1: output_ids
@@ -223,7 +229,7 @@ class Context:
             logits = self.fused(batch, self._prev)
             if logits is not None:
                 return logits
-        t0 = _perf()
+        t0 = self._clock()
         try:
             balloc.init(batch, self.n_vocab, kv, self._n_embd, self._balloc_seq_max, False)
         except ValueError as e:
@@ -232,7 +238,7 @@ class Context:
         n_outputs_all = balloc.get_n_outputs()
         if n_tokens_all > self.cparams.n_batch:
             raise DecodeError(-1, f"batch of {n_tokens_all} tokens exceeds n_batch = {self.cparams.n_batch}")
-        tm.batch += _perf() - t0
+        tm.batch += self._clock() - t0
         tm.n_decode += 1
 
         if kv.has_pending_update():
@@ -243,9 +249,9 @@ class Context:
         row = 0
         while True:
             ubatch = mctx.get_ubatch()
-            t0 = _perf()
+            t0 = self._clock()
             mctx.apply()
-            tm.bookkeeping += _perf() - t0
+            tm.bookkeeping += self._clock() - t0
             if n_outputs_all == n_tokens_all:
                 n_outputs = ubatch.n_tokens
             else:
@@ -255,9 +261,9 @@ class Context:
             row += n_outputs
             if not mctx.next():
                 break
-        t0 = _perf()
+        t0 = self._clock()
         self._set_outputs(logits, n_tokens_all)
-        tm.compute += _perf() - t0
+        tm.compute += self._clock() - t0
         tm.n_tokens += n_tokens_all
         return self.logits
 
@@ -266,7 +272,7 @@ class Context:
         tm, splits = self.times, self._splits
         did_optimize = False
         while True:
-            t0 = _perf()
+            t0 = self._clock()
             splits.seconds = 0.0
             try:
                 mctx = kv.init_batch(splits, self.cparams.n_ubatch, False)
@@ -274,7 +280,7 @@ class Context:
                 raise DecodeError(1, str(e)) from None
             finally:
                 tm.batch += splits.seconds
-                tm.bookkeeping += _perf() - t0 - splits.seconds
+                tm.bookkeeping += self._clock() - t0 - splits.seconds
             status = mctx.get_status()
             if status == MemoryStatus.SUCCESS:
                 return mctx
@@ -306,17 +312,17 @@ class Context:
     def _process_ubatch(self, mctx: Any, ubatch: Any, n_outputs: int, dst: np.ndarray) -> None:
         """Build (or reuse), fill and compute the graph of one applied ubatch; its logits rows into ``dst``."""
         tm = self.times
-        t0 = _perf()
+        t0 = self._clock()
         key = self._rt.graph_key(mctx, ubatch, n_outputs, self.params.kv_unified)
         g = self._prev
         if g is not None and self.params.graph_reuse and g.key == key:
             tm.n_graph_reused += 1
         else:
             g = self._build(mctx, ubatch, key)
-        t1 = _perf()
+        t1 = self._clock()
         tm.build += t1 - t0
         self._rt.set_inputs(g, mctx, ubatch, self.cparams.causal_attn)
-        t2 = _perf()
+        t2 = self._clock()
         tm.inputs += t2 - t1
         self._use_threads(ubatch.n_tokens)
         status = G.ggml_backend_sched_graph_compute(self._sched.ptr, g.graph.ptr)
@@ -325,7 +331,7 @@ class Context:
                                            ubatch.pos[:ubatch.n_tokens].tolist()))
         if n_outputs:
             g.read_logits(dst)
-        tm.compute += _perf() - t2
+        tm.compute += self._clock() - t2
         tm.n_ubatch += 1
 
     def _build(self, mctx: Any, ubatch: Any, key: Any) -> Any:
@@ -362,7 +368,7 @@ class Context:
 
     def _memory_update(self, optimize: bool) -> bool:
         """Apply queued stream copies and a pending K-shift (llama_context::memory_update)."""
-        t0 = _perf()
+        t0 = self._clock()
         try:
             mctx = self._kv().init_update(self._lctx, optimize)
             if mctx.get_status() != MemoryStatus.SUCCESS:
@@ -372,7 +378,7 @@ class Context:
             mctx.apply()
             return True
         finally:
-            self.times.update += _perf() - t0
+            self.times.update += self._clock() - t0
 
     def set_eval_callback(self, fn: Any) -> None:
         """Observe graph nodes as they are computed (llama.cpp's ``cb_eval``): ``fn(tensor, ask) -> bool``, see

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["FusedStep"]
 
 _SUCCESS = int(G.Status.SUCCESS)
+_perf = time.perf_counter
 
 
 class FusedStep:
@@ -56,6 +57,7 @@ class FusedStep:
         self.equal_seqs = book.n_stream > 1                     # split_equal (several streams) or split_simple
         self.causal = bool(ctx.cparams.causal_attn)
         self.times = ctx.times
+        self.timed = not ctx.cparams.no_perf                    # time the phases (no_perf off)
         self.n_steps = 0                                        # steps taken by this path (tests, notebooks)
         self._iota1 = ctx._iota[:1]                             # the output ids of a one-token step (read-only)
         self._graph: DecoderGraph | None = None                 # the last graph found with host views of all
@@ -77,8 +79,10 @@ class FusedStep:
         if batch.n_tokens == 1:
             return self._one(batch, g)
         key = g.key
-        perf = time.perf_counter
-        t0 = perf()
+        timed = self.timed
+        t0 = t1 = t2 = 0.0
+        if timed:
+            t0 = _perf()
         try:
             got = self.balloc.init_step(batch, self.n_vocab, self.memory, self.n_seq_max, self.n_ubatch,
                                         self.equal_seqs)
@@ -90,10 +94,12 @@ class FusedStep:
         n = len(seqs)
         if n != key.n_tokens or n != key.n_outputs or key.n_stream != (n if self.equal_seqs else 1):
             return None
-        t1 = perf()
+        if timed:
+            t1 = _perf()
         if not self.step.place(seqs, pos, key.n_kv, key.s0, key.s1):
             return None
-        t2 = perf()
+        if timed:
+            t2 = _perf()
         g.tokens_h[...] = batch.token
         g.pos_h[...] = pos if batch.pos is None else batch.pos  # (an array copies faster than a list converts)
         g.out_ids_h[...] = g.out_rows
@@ -105,8 +111,10 @@ class FusedStep:
         key = g.key
         if key.n_tokens != 1 or key.n_outputs != 1:
             return None
-        perf = time.perf_counter
-        t0 = perf()
+        timed = self.timed
+        t0 = t1 = t2 = 0.0
+        if timed:
+            t0 = _perf()
         try:
             got = self.balloc.init_step_one(batch, self.n_vocab, self.memory, self.n_seq_max)
         except ValueError:  # an invalid batch: the general path raises its own error
@@ -114,11 +122,13 @@ class FusedStep:
         if got is None:
             return None
         s, p = got
-        t1 = perf()
+        if timed:
+            t1 = _perf()
         step = self.step
         if not step.place_one(s, p, key.n_kv, key.s0, key.s1):
             return None
-        t2 = perf()
+        if timed:
+            t2 = _perf()
         self._tok_m[0] = batch.token.item(0)  # (memoryviews: scalar writes a few times cheaper than numpy's)
         self._pos_m[0] = p
         self._out_m[0] = 0
@@ -126,9 +136,11 @@ class FusedStep:
         return self._compute(g, 1, s, p, t0, t1, t2)
 
     def _compute(self, g: DecoderGraph, n: int, seqs: Any, pos: Any, t0: float, t1: float, t2: float) -> np.ndarray:
-        """Compute ``g`` (its inputs filled), take its logits and account the step's time.  ``seqs``/``pos``: the
-        tokens' sequences and positions (lists, or the one token's ints), for the clean-up of a failed compute."""
-        t3 = time.perf_counter()
+        """Compute ``g`` (its inputs filled), take its logits and account the step (its phases' times, when timed:
+        ``t0``..``t2`` the starts of the batch, bookkeeping and inputs phases).  ``seqs``/``pos``: the tokens'
+        sequences and positions (lists, or the one token's ints), for the clean-up of a failed compute."""
+        timed = self.timed
+        t3 = _perf() if timed else 0.0
         ctx = self.ctx
         ctx._use_threads(n)
         status = G.ggml_backend_sched_graph_compute(*self._args)
@@ -137,10 +149,11 @@ class FusedStep:
         logits = g.logits_h.copy()
         ctx.logits, ctx.output_ids = logits, self._iota1 if n == 1 else ctx._iota[:n]
         tm = self.times
-        tm.batch += t1 - t0
-        tm.bookkeeping += t2 - t1
-        tm.inputs += t3 - t2
-        tm.compute += time.perf_counter() - t3
+        if timed:
+            tm.batch += t1 - t0
+            tm.bookkeeping += t2 - t1
+            tm.inputs += t3 - t2
+            tm.compute += _perf() - t3
         tm.n_decode += 1
         tm.n_ubatch += 1
         tm.n_graph_reused += 1
