@@ -404,6 +404,16 @@ def test_err_token_out_of_range():
     assert "token[0] = -1" in msg
 
 
+def test_decode_batch_tokens_at_the_vocabulary_edge():
+    """A decode batch (several sequences, one token each: the fast path) takes token n_vocab - 1 and refuses
+    n_vocab and -1 with the general path's message."""
+    ok = BatchAllocator(1)
+    ok.init(Batch(token=[5, 99, 0], seq_id=[0, 1, 2]), 100, None, 4, 4, False)
+    assert ok.get_n_tokens() == 3 and ok.get_batch().token.tolist() == [5, 99, 0]
+    assert "token[1] = 100" in init_err(Batch(token=[5, 100, 0], seq_id=[0, 1, 2]), n_vocab=100)
+    assert "token[2] = -1" in init_err(Batch(token=[5, 7, -1], seq_id=[0, 1, 2]), n_vocab=100)
+
+
 def test_err_seq_id_out_of_range():
     msg = init_err(Batch(token=[1, 2], seq_id=[[0], [0, 3]]), n_seq_max=3)
     assert "seq_id[1][1] = 3" in msg and "n_seq_max=3" in msg

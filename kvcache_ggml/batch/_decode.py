@@ -11,6 +11,7 @@ returns False before changing anything and the general path runs, raising its ow
 """
 from __future__ import annotations
 
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,6 +20,7 @@ from .._consts import INT32_MAX, LLAMA_MAX_SEQ
 from ._input import Batch
 from ._ubatch import _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _TOKEN_IDS
 
+_NEXT = (1).__add__  # m -> m + 1 (NotImplemented for a non-int: then the loop decides)
 _TOKEN_ID0 = _TOKEN_IDS[:1]  # the output ids of a one-token batch (a view of _TOKEN_IDS: out_ids_in_order)
 
 if TYPE_CHECKING:
@@ -90,13 +92,11 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
     seqs = sorted(ids)
     if seqs[0] < 0 or seqs[-1] >= n_seq_max or len(set(ids)) != n:
         return None
-    if n_vocab <= 0 or np.count_nonzero(token.view(np.uint32) >= n_vocab):
+    tl = token.tolist()  # (a few tokens: min/max of a list cost less than a numpy comparison and count)
+    if min(tl) < 0 or max(tl) >= n_vocab:
         return None
-    if memory is None:
-        mems = [-1] * n
-    else:
-        seq_pos_max = memory.seq_pos_max
-        mems = [int(seq_pos_max(s)) for s in ids]  # the memory's last position of each token's sequence
+    # the memory's last position of each token's sequence
+    mems = [-1] * n if memory is None else list(map(memory.seq_pos_max, ids))
     pos_all = batch.pos
     if pos_all is None:
         plist = [m + 1 for m in mems]
@@ -106,12 +106,14 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
     else:
         if pos_all.shape[0] != n:
             return None
-        pos0 = pos_all[:n]
+        pos0 = pos_all  # (shape (n,): the whole array)
         plist = pos0.tolist()
-    # each sequence continues the memory, and no position is below -1 (else: the general path's errors)
-    for m, p in zip(mems, plist):
-        if p < -1 or (m >= 0 and p != m + 1):
-            return None
+    # each sequence continues the memory, and no position is below -1 (else: the general path's errors); the
+    # common case, every position the next of its sequence, in one list comparison
+    if list(map(_NEXT, mems)) != plist:
+        for m, p in zip(mems, plist):
+            if p < -1 or (m >= 0 and p != m + 1):
+                return None
     output = batch.logits
     if output is None:
         if output_all:
@@ -121,11 +123,11 @@ def _init_many(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPos
             output[-1] = 1
             n_outputs = 1
     else:
-        n_outputs = int(np.count_nonzero(output))
+        n_outputs = n - output.tolist().count(0)
         if output_all and n_outputs < n:
             return None  # the general path warns and overrides
     ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], batch.n_seq_id, False, seqs, None,
-               {s: (p, p, 1) for s, p in zip(ids, plist)}, output, n_outputs)
+               dict(zip(ids, zip(plist, plist, repeat(1)))), output, n_outputs)  # (each sequence: (p, p, 1))
     return ids, plist
 
 
