@@ -119,6 +119,18 @@ class KVCells(OneCellAPI):
         u = self._used
         return u.end(self._pos) if u.hi_dirty else u.hi
 
+    def one_token_slot(self, head: int) -> tuple[int, int] | None:
+        """find_slot's cell for one token searched from ``head`` -- the head, or cell 0 when the head is more than two
+        cells past the used count (the search's restart) -- if that cell is free: (the cell, used_max_p1() once a
+        token is placed there); None when it is occupied or past the end.  (The decode step's query, one call.)"""
+        u = self._used
+        if head > u.n + 2:
+            head = 0
+        if head >= len(self._pos_m) or self._pos_m[head] >= 0:
+            return None
+        end = u.end(self._pos) if u.hi_dirty else u.hi
+        return head, (end if end > head else head + 1)
+
     def get_has_shift(self) -> bool:
         return self._has_shift
 

@@ -68,16 +68,13 @@ class CacheStep:
         """:meth:`place` of one token (sequence ``s``, position ``p``), without lists."""
         book = self.book
         st = book.stream_of[s]
+        if st != s0 or st != s1:
+            return False
         c = book.v_cells[st]
-        h = book.v_heads[st]
-        if h > c.get_used() + 2:  # find_slot's restart at cell 0
-            h = 0
-        size = self.kv_size
-        if st != s0 or st != s1 or h >= size or c.pos_at(h) >= 0:
+        got = c.one_token_slot(book.v_heads[st])  # (find_slot's cell: the free head, or cell 0 after a restart)
+        if got is None or book.padded_n_kv(got[1]) != n_kv:
             return False
-        used = c.used_max_p1()
-        if book.padded_n_kv(used if used > h else h + 1) != n_kv:
-            return False
+        h = got[0]
         c.place_one(h, p, s)
         book.v_heads[st] = h + 1
         self.strm_one, self.cell_one = st, h
@@ -94,20 +91,18 @@ class CacheStep:
         book = self.book
         if book.n_stream == 1:
             return self._place_unified(seqs, pos, n_kv, s0, s1)
-        size, v_cells, v_heads = self.kv_size, book.v_cells, book.v_heads
+        v_cells, v_heads = book.v_cells, book.v_heads
         strms = [book.stream_of[s] for s in seqs]
         if min(strms) != s0 or max(strms) != s1:
             return False
         cells, used = [], 0
         for st in strms:
-            c = v_cells[st]
-            h = v_heads[st]
-            if h > c.get_used() + 2:  # find_slot's restart at cell 0 (one token per stream)
-                h = 0
-            if h >= size or c.pos_at(h) >= 0:
+            got = v_cells[st].one_token_slot(v_heads[st])  # (find_slot's cell: the free head, or 0 after a restart)
+            if got is None:
                 return False
-            cells.append(h)
-            used = max(used, c.used_max_p1(), h + 1)
+            cells.append(got[0])
+            if got[1] > used:
+                used = got[1]
         if book.padded_n_kv(used) != n_kv:
             return False
         for st, s, p, i in zip(strms, seqs, pos, cells):
