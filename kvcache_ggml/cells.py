@@ -119,18 +119,6 @@ class KVCells(OneCellAPI):
         u = self._used
         return u.end(self._pos) if u.hi_dirty else u.hi
 
-    def one_token_slot(self, head: int) -> tuple[int, int] | None:
-        """find_slot's cell for one token searched from ``head`` -- the head, or cell 0 when the head is more than two
-        cells past the used count (the search's restart) -- if that cell is free: (the cell, used_max_p1() once a
-        token is placed there); None when it is occupied or past the end.  (The decode step's query, one call.)"""
-        u = self._used
-        if head > u.n + 2:
-            head = 0
-        if head >= len(self._pos_m) or self._pos_m[head] >= 0:
-            return None
-        end = u.end(self._pos) if u.hi_dirty else u.hi
-        return head, (end if end > head else head + 1)
-
     def get_has_shift(self) -> bool:
         return self._has_shift
 
@@ -347,42 +335,6 @@ class KVCells(OneCellAPI):
             self._used.erase(emptied)
         self._log.add_seq(idxs, seq_id)  # (an emptied cell held only seq_id)
         return emptied
-
-    def seq_rm_last(self, seq_id: int, p0: int, p1: int) -> int | None:
-        """Fast path of ``seq_rm_many(find(p0, p1, seq_id), seq_id)`` for the undo of a decode step: when the only
-        cell of ``seq_id`` in [p0, p1) holds its largest position and is the cell of its last placement, remove the
-        sequence from it with scalar Python and return the cell if it became empty, else -1.  None (nothing done)
-        when the cells do not look like that."""
-        ms = self._seq_pos.get(seq_id)  # (a sequence without cells has no multiset)
-        if ms is None:
-            return None
-        keys = ms.keys
-        p = keys[-1]
-        if p < p0 or p >= p1 or ms.counts[-1] != 1 or (len(keys) > 1 and keys[-2] >= p0):
-            return None
-        # one cell of the sequence holds p: if the hinted cell holds the sequence at p, it is that cell
-        i = self._newest.get(seq_id, -1)
-        if i < 0 or self._pos_m[i] != p:
-            return None
-        seq_m, w, bit = self._seq_m, seq_id >> 6, 1 << (seq_id & 63)
-        word = seq_m[w, i]
-        if not word & bit:
-            return None
-        keys.pop()  # ms.dec(p) of the largest position, held once
-        ms.counts.pop()
-        if not keys:
-            del self._seq_pos[seq_id]
-        word ^= bit
-        seq_m[w, i] = word
-        self._log.add_one(i, seq_id)
-        if word or seq_m[0, i] or seq_m[1, i] or seq_m[2, i] or seq_m[3, i]:  # (SEQ_WORDS words)
-            return -1
-        self._pos_m[i] = -1
-        self._ext_m[i, 0] = 0
-        self._ext_m[i, 1] = 0
-        self._shift_m[i] = 0
-        self._used.erase_one(i)
-        return i
 
     def seq_keep_many(self, idxs: np.ndarray, seq_id: int) -> np.ndarray:
         """Keep only ``seq_id`` in the (non-empty) cells ``idxs``; returns the cells that became empty."""
