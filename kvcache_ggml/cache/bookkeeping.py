@@ -87,8 +87,8 @@ class KVBookkeeping:
             if self.fast:  # the undo of a decode step: the sequence's newest cell is found without a search
                 i = cells.seq_rm_last(seq_id, p0, p1)
                 if i is not None:
-                    if i >= 0:
-                        self._lower_head_to(strm, i)
+                    if 0 <= i < self.v_heads[strm]:  # (the freed cell is below the head: _lower_head)
+                        self.v_heads[strm] = i
                     return True
             idxs = cells.find(p0, p1, seq_id)
             emptied = cells.seq_rm_many(idxs, seq_id) if idxs.size else idxs
@@ -102,11 +102,9 @@ class KVBookkeeping:
         return True
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Copy positions [p0, p1) of ``seq_id_src`` into ``seq_id_dst``.
-
-        Within a stream only the cells change.  Across streams only whole sequences can be copied: the destination
-        stream is replaced by the source's cells of ``seq_id_src`` and a buffer copy is queued for the next update.
-        """
+        """Copy positions [p0, p1) of ``seq_id_src`` into ``seq_id_dst``: within a stream only the cells change;
+        across streams only whole sequences can be copied (the destination stream is replaced by the source's cells
+        of ``seq_id_src``, and a buffer copy is queued for the next update)."""
         self.check_seq(seq_id_src)
         self.check_seq(seq_id_dst)
         s0 = self.stream_of[seq_id_src]
@@ -328,6 +326,9 @@ class KVBookkeeping:
             self._debug_dump(ubatch)
         n_tokens = ubatch.n_tokens
         if self.n_stream == 1:  # every sequence is in stream 0
+            got = self.v_cells[0].one_token_slot(self.v_heads[0]) if n_tokens == 1 and not cont else None
+            if got is not None:  # the decode step: the free head cell (always usable), found in one call
+                return SlotInfo(0, 0, [0], [self._cell_ids[got[0]:got[0] + 1]], got[0])
             idx = self._slot_in(0, n_tokens, cont)
             return SlotInfo() if idx is None else SlotInfo(0, 0, [0], [idx], idx.item(0) if n_tokens == 1 else -1)
         if n_tokens % ubatch.n_seqs_unq:
@@ -517,13 +518,8 @@ class KVBookkeeping:
 
     def _lower_head(self, strm: int, emptied: np.ndarray) -> None:
         """If cells were freed below the head, start the next search at the first of them."""
-        if emptied.size:
-            self._lower_head_to(strm, int(emptied[0]))
-
-    def _lower_head_to(self, strm: int, first: int) -> None:
-        """Cells from ``first`` on were freed: start the next search there if it is below the head."""
-        if first < self.v_heads[strm]:
-            self.v_heads[strm] = first
+        if emptied.size and emptied[0] < self.v_heads[strm]:
+            self.v_heads[strm] = int(emptied[0])
 
     def _usable(self, cells: KVCells, lo: int, hi: int) -> np.ndarray:
         """bool [hi - lo]: cells that a new token may take -- empty, or one sequence's cell masked by the SWA."""
