@@ -18,7 +18,7 @@ import numpy as np
 
 from .._consts import INT32_MAX, LLAMA_MAX_SEQ
 from ._input import Batch
-from ._ubatch import _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _TOKEN_IDS
+from ._ubatch import _ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _TOKEN_ID_VIEWS, _TOKEN_IDS
 
 _NEXT = (1).__add__  # m -> m + 1 (NotImplemented for a non-int: then the loop decides)
 _TOKEN_ID0 = _TOKEN_IDS[:1]  # the output ids of a one-token batch (a view of _TOKEN_IDS: out_ids_in_order)
@@ -156,7 +156,7 @@ def init_step(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPosi
     if equal_seqs and n > 1 and (seqs != ba._seqs or seqs[-1] - seqs[0] != n - 1):  # (_seqs: the ids, ascending)
         return None
     ba._n_used = ba._hint = n  # (the split of one sequence in split_equal marks its token in a mask instead)
-    ba._out_ids.append(_TOKEN_IDS[:n])
+    ba._out_ids.append(_TOKEN_ID_VIEWS[n])
     return seqs, pos
 
 

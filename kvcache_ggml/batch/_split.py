@@ -13,7 +13,7 @@ from types import MappingProxyType
 import numpy as np
 
 from .._consts import SEQ_WORDS
-from ._ubatch import _SEQ_IDX_NONE, _TOKEN_IDS, UBatch, _decode_arrays, _empty_ubatch, _present_seqs, _print_ubatch
+from ._ubatch import _SEQ_IDX_NONE, _TOKEN_ID_VIEWS, UBatch, _decode_arrays, _empty_ubatch, _present_seqs, _print_ubatch
 
 logger = logging.getLogger("kvcache_ggml.batch")
 _NO_STATS = MappingProxyType({})  # no batch: no sequence statistics (read-only; init commits a dict)
@@ -377,7 +377,7 @@ class BatchSplitter:
             output = output.copy()
         n_out = self._n_outputs
         if n_out == n:
-            self._out_ids.append(_TOKEN_IDS[:n])
+            self._out_ids.append(_TOKEN_ID_VIEWS[n])
         elif n_out:
             self._out_ids.append(output.nonzero()[0])
         pos = self._pos0.copy() if npe == 1 else (np.tile(self._pos0, npe) if self._pos2d is None else

@@ -30,6 +30,7 @@ _ONE_N_SEQ_ID = _frozen(np.ones(1, np.int32))
 _ONE_SEQ0 = _frozen(np.zeros((1, 1), np.int32))
 _ONE_OUT = _frozen(np.ones(1, np.int8))
 _TOKEN_IDS = _frozen(np.arange(LLAMA_MAX_SEQ))  # batch indices 0..n-1 of a decode step's tokens: _TOKEN_IDS[:n]
+_TOKEN_ID_VIEWS = [_TOKEN_IDS[:n] for n in range(LLAMA_MAX_SEQ + 1)]  # ... made once per n (a step takes one)
 _DECODE_SETS: dict[int | tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
