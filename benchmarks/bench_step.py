@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 # nothing in a step calls BLAS; numpy's OpenBLAS threads would otherwise spin after import on the CPU both sides
 # are pinned to (llama.cpp's interpreter inherits this too)
@@ -117,23 +118,33 @@ class OurCase:
         for s in range(self.n_seq):
             self.kv.seq_rm(s, self.per, -1)
 
-    def step(self, level: int) -> None:
-        ba = BatchAllocator(1)  # (llama.cpp's loop: a new allocator each step, its arguments plain fields)
-        if self.general:
-            ba.fast = False
-        ba.init(self.batch, 64, self.kv, 64, self.n_seq_max, False)
-        ctx = self.kv.init_batch(ba, 512)
-        while True:
-            ctx.apply()
-            if level >= 1:
-                ub = ctx.get_ubatch()
-                ctx.set_input_k_idxs(self.tk, ub)
-                ctx.set_input_v_idxs(self.tv, ub)
-                if level >= 2:
-                    ctx.set_input_kq_mask(self.tm, ub, True)
-            if not ctx.next():
-                break
-        self._undo()
+    def stepper(self, level: int) -> Callable[[], None]:
+        """The timed step at ``level``: a closure over locals, as llama.cpp's loop is a C++ loop over its locals (no
+        attribute lookups, level tests or helper frames of the harness inside the step)."""
+        kv, batch, tk, tv, tm = self.kv, self.batch, self.tk, self.tv, self.tm
+        n_seq_max, per, general, seqs = self.n_seq_max, self.per, self.general, range(self.n_seq)
+        init_batch, seq_rm = kv.init_batch, kv.seq_rm
+
+        def step() -> None:
+            ba = BatchAllocator(1)  # (llama.cpp's loop: a new allocator each step)
+            if general:
+                ba.fast = False
+            ba.init(batch, 64, kv, 64, n_seq_max, False)
+            ctx = init_batch(ba, 512)
+            while True:
+                ctx.apply()
+                if level:
+                    ub = ctx.get_ubatch()
+                    ctx.set_input_k_idxs(tk, ub)
+                    ctx.set_input_v_idxs(tv, ub)
+                    if level > 1:
+                        ctx.set_input_kq_mask(tm, ub, True)
+                if not ctx.next():
+                    break
+            for s in seqs:
+                seq_rm(s, per, -1)
+
+        return step
 
     def phases(self, iters: int) -> list[float]:
         """Seconds per step of each phase of a level-2 step (PHASES), timed one by one inside the step."""
@@ -254,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 case = OurCase(kv_size, n_seq, unified, a.general)
                 try:
                     for lvl in LEVELS:
-                        runs = _runs(lambda: case.step(lvl), iters, a.repeats)
+                        runs = _runs(case.stepper(lvl), iters, a.repeats)
                         ours.setdefault(f"{name}/{kv_size}", {}).setdefault(lvl, []).extend(runs)
                 finally:
                     case.close()
