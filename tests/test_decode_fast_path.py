@@ -415,6 +415,45 @@ def test_token_rows_across_streams_match_the_full_build(type_):
     assert fast.inputs.mask_rows._tokens.seqs == [1, 2]
 
 
+@pytest.mark.parametrize("type_", ["f32", "f16"])
+def test_token_row_of_one_sequence_matches_the_full_build(type_):
+    """One sequence decoding (write_one's kept row): steps undone and redone on the same cell, an undo left in place
+    (its cell -inf again), a range removal (rebuilt) and n_kv growing past 256 cells -- the full build's bytes."""
+    fast, slow = make_cache(1024, 2), make_cache(1024, 2)
+    general(slow)
+
+    def decode(n=1, seq=0):
+        ctxs = []
+        for kv in (fast, slow):
+            ba = BatchAllocator(1)
+            ba.init(Batch(token=np.full(n, 3, np.int32), seq_id=np.full(n, seq, np.int32)), N_VOCAB, kv, 16, 2, False)
+            ctx = kv.init_batch(ba, 2048)
+            ctx.apply()
+            ctxs.append(ctx)
+        return ctxs
+
+    decode(20)
+    decode(5, seq=1)
+    for step in range(3):  # a step, undone, redone: the log holds the cell twice
+        ctxs = decode()
+        same_inputs(*ctxs, type_)
+        for kv in (fast, slow):
+            kv.seq_rm(0, kv.seq_pos_max(0), -1)
+        ctxs = decode()
+        same_inputs(*ctxs, type_)
+    assert fast.inputs.mask_rows._one is not None and fast.inputs.mask_rows._one.seqs == [0]
+    for kv in (fast, slow):
+        kv.seq_rm(0, kv.seq_pos_max(0), -1)     # left in place: the same token's mask again
+    same_inputs(*ctxs, type_)
+    for kv in (fast, slow):
+        kv.seq_rm(0, 2, 6)                      # a range: the row rebuilt
+    same_inputs(*decode(), type_)
+    decode(300)                                 # n_kv 512 next
+    ctxs = decode()
+    assert ctxs[0].get_n_kv() == 512
+    same_inputs(*ctxs, type_)
+
+
 @pytest.mark.parametrize("unified", [True, False])
 def test_decode_step_takes_the_fast_paths(unified):
     """The decode step's work goes through the fast paths (a guard against a condition that silently never holds):

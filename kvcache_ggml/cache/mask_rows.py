@@ -229,7 +229,6 @@ class _TokenRows:
     def write(self, out: np.ndarray, pos: list[int], causal: bool) -> bool:
         """Bring every row up to date over [0, n_kv) and copy the rows into ``out`` [n_tokens, n_kv] -- False
         (``out`` unwritten) when a token at ``pos`` needs its positions tested (as :meth:`MaskRows.write`)."""
-        n_kv = out.shape[1]
         rows_m, n_valid, neg_i, bulk, n_ones = self.rows_m, self.n_valid, self.neg_i, self.bulk, self.n_ones
         i = 0
         for log, s, cells, p in zip(self.logs, self.seqs, self.cells, pos):
@@ -250,6 +249,35 @@ class _TokenRows:
                                 rows_m[i, c] = 0 if seq_m[s >> 6, c] >> (s & 63) & 1 else neg_i
                     n_ones[i] = m
             i += 1
+        return self._copy(out)
+
+    def write_one(self, out: np.ndarray, p: int, causal: bool) -> bool:
+        """:meth:`write` of the row set of one token (the decode step of one sequence), without the loop over
+        tokens; the log's new entries newest first, each cell patched once (an undone step and the next one log the
+        same cell twice: its row entry follows the cell's current bits either way)."""
+        s, cells, log = self.seqs[0], self.cells[0], self.logs[0]
+        lo, hi = cells.seq_pos_bounds(s)
+        if lo < 0 or (causal and hi > p):
+            return False
+        if log.bulk != self.bulk[0]:
+            self._rebuild(0)
+        else:
+            one_cells = log.one_cells
+            m, k = len(one_cells), self.n_ones[0]
+            if m > k:
+                one_seqs, seq_m, rows_m, n_valid, done = log.one_seqs, self.seq_m[0], self.rows_m, self.n_valid, -1
+                for k in range(m - 1, k - 1, -1):
+                    c = one_cells[k]
+                    if c != done and one_seqs[k] == s and c < n_valid:
+                        rows_m[0, c] = 0 if seq_m[s >> 6, c] >> (s & 63) & 1 else self.neg_i
+                        done = c
+                self.n_ones[0] = m
+        return self._copy(out)
+
+    def _copy(self, out: np.ndarray) -> bool:
+        """Extend the rows over [n_valid, n_kv) if ``out`` [n_tokens, n_kv] reaches further, then copy them there."""
+        n_kv = out.shape[1]
+        n_valid = self.n_valid
         if n_kv > n_valid:
             for i, (cells, s) in enumerate(zip(self.cells, self.seqs)):
                 np.multiply(cells.seq_absent(s, n_kv)[n_valid:], self.neg, out=self.rows[i, n_valid:n_kv])
@@ -287,7 +315,7 @@ class MaskRows:
         """Fill the mask ``rows`` [1, n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
         one = self._one  # (the same sequence and type step after step: its row patched from the log, one copy)
         if one is not None and one.seqs[0] == seq_id and one.ftype is rows.dtype:
-            return one.write(rows, (p1,), causal)
+            return one.write_one(rows, p1, causal)
         book = self.book
         strm = book.stream_of[seq_id]
         cells = book.v_cells[strm]
