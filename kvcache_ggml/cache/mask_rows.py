@@ -24,6 +24,8 @@ that such a step's mask is one copy of ``n_tokens x n_kv`` values after a few sc
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
@@ -226,9 +228,11 @@ class _TokenRows:
         self.n_ones = [len(log.one_cells) for log in self.logs]  # ... and single-cell entries seen
         self.last_view = (-1, None)                          # (n_kv, frows[:, :n_kv]) of the last write
 
-    def write(self, out: np.ndarray, pos: list[int], causal: bool) -> bool:
+    def write(self, out: np.ndarray, pos: Sequence[int], causal: bool) -> bool:
         """Bring every row up to date over [0, n_kv) and copy the rows into ``out`` [n_tokens, n_kv] -- False
-        (``out`` unwritten) when a token at ``pos`` needs its positions tested (as :meth:`MaskRows.write`)."""
+        (``out`` unwritten) when a token at ``pos`` needs its positions tested (as :meth:`MaskRows.write`).  A row
+        takes its log's new entries newest first, each cell once (an undone step and the next one log the same cell
+        twice: the row follows the cell's current bits either way)."""
         rows_m, n_valid, neg_i, bulk, n_ones = self.rows_m, self.n_valid, self.neg_i, self.bulk, self.n_ones
         i = 0
         for log, s, cells, p in zip(self.logs, self.seqs, self.cells, pos):
@@ -241,37 +245,14 @@ class _TokenRows:
                 one_cells = log.one_cells
                 m, k = len(one_cells), n_ones[i]
                 if m > k:  # (the decode step's one or two single cells per stream)
-                    one_seqs, seq_m = log.one_seqs, self.seq_m[i]
-                    for k in range(k, m):
-                        if one_seqs[k] == s:
-                            c = one_cells[k]
-                            if c < n_valid:
-                                rows_m[i, c] = 0 if seq_m[s >> 6, c] >> (s & 63) & 1 else neg_i
+                    one_seqs, seq_m, done = log.one_seqs, self.seq_m[i], -1
+                    for k in range(m - 1, k - 1, -1):
+                        c = one_cells[k]
+                        if c != done and one_seqs[k] == s and c < n_valid:
+                            rows_m[i, c] = 0 if seq_m[s >> 6, c] >> (s & 63) & 1 else neg_i
+                            done = c
                     n_ones[i] = m
             i += 1
-        return self._copy(out)
-
-    def write_one(self, out: np.ndarray, p: int, causal: bool) -> bool:
-        """:meth:`write` of the row set of one token (the decode step of one sequence), without the loop over
-        tokens; the log's new entries newest first, each cell patched once (an undone step and the next one log the
-        same cell twice: its row entry follows the cell's current bits either way)."""
-        s, cells, log = self.seqs[0], self.cells[0], self.logs[0]
-        lo, hi = cells.seq_pos_bounds(s)
-        if lo < 0 or (causal and hi > p):
-            return False
-        if log.bulk != self.bulk[0]:
-            self._rebuild(0)
-        else:
-            one_cells = log.one_cells
-            m, k = len(one_cells), self.n_ones[0]
-            if m > k:
-                one_seqs, seq_m, rows_m, n_valid, done = log.one_seqs, self.seq_m[0], self.rows_m, self.n_valid, -1
-                for k in range(m - 1, k - 1, -1):
-                    c = one_cells[k]
-                    if c != done and one_seqs[k] == s and c < n_valid:
-                        rows_m[0, c] = 0 if seq_m[s >> 6, c] >> (s & 63) & 1 else self.neg_i
-                        done = c
-                self.n_ones[0] = m
         return self._copy(out)
 
     def _copy(self, out: np.ndarray) -> bool:
@@ -315,7 +296,7 @@ class MaskRows:
         """Fill the mask ``rows`` [1, n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
         one = self._one  # (the same sequence and type step after step: its row patched from the log, one copy)
         if one is not None and one.seqs[0] == seq_id and one.ftype is rows.dtype:
-            return one.write_one(rows, p1, causal)
+            return one.write(rows, (p1,), causal)
         book = self.book
         strm = book.stream_of[seq_id]
         cells = book.v_cells[strm]
