@@ -12,12 +12,16 @@ sliding window, n_kv growth past 256 cells, and a ready-row budget of two rows (
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvcache_ggml import _ggml as G
 from kvcache_ggml.batch import Batch, BatchAllocator
+from kvcache_ggml.cache.inputs import host_tensor
 from kvcache_ggml.cache import MemoryStatus
 from kvcache_ggml.hparams import SwaType
 from kvcache_ggml.inspect import check_invariants
@@ -452,6 +456,71 @@ def test_token_row_of_one_sequence_matches_the_full_build(type_):
     ctxs = decode()
     assert ctxs[0].get_n_kv() == 512
     same_inputs(*ctxs, type_)
+
+
+@pytest.mark.parametrize("type_", ["f32", "f16"])
+@pytest.mark.parametrize("n_seq,unified,kv_size", [(1, True, 1024), (3, False, 256), (3, False, 1024)])
+def test_one_mask_tensor_filled_step_after_step(type_, n_seq, unified, kv_size):
+    """A runtime fills the same kq-mask tensor every step (the kept rows are then one byte copy into it), and the
+    graph may have used its memory in between: scribbled over between steps, the tensor still gets the full
+    build's bytes, through new cells, undone steps, a range removal and n_kv growth (one stream), or in streams
+    whose rows span all their cells (n_kv = kv_size: several rows, one span) or not (a copy of strided rows)."""
+    fast, slow = make_cache(kv_size, n_seq, unified), make_cache(kv_size, n_seq, unified)
+    general(slow)
+    seqs = list(range(n_seq))
+    gt = np.float32 if type_ == "f32" else np.float16
+
+    def decode(n=1):
+        ctxs = []
+        for kv in (fast, slow):
+            ba = BatchAllocator(1)
+            ba.init(Batch(token=np.full(n * n_seq, 3, np.int32), seq_id=np.repeat(np.array(seqs, np.int32), n)),
+                    N_VOCAB, kv, 16, n_seq, False)
+            ctx = kv.init_batch(ba, 2048)
+            while True:
+                ctx.apply()
+                if not ctx.next():
+                    break
+            ctx.i_cur -= 1
+            ctxs.append(ctx)
+        return ctxs
+
+    def undo(p0=None, p1=-1, seq=0):
+        for kv in (fast, slow):
+            assert kv.seq_rm(seq, kv.seq_pos_max(seq) if p0 is None else p0, p1)
+
+    decode(20)
+    tensors = {}
+    with contextlib.ExitStack() as stack:
+        def check(ctxs):
+            ca, cb = ctxs
+            n_kv, ns = ca.get_n_kv(), ca.get_sinfo().n_stream()
+            t = tensors.get(n_kv)
+            if t is None:
+                t = tensors[n_kv] = stack.enter_context(host_tensor(G.parse_type(type_), (n_kv, n_seq // ns, 1, ns),
+                                                                    "kq_mask"))
+            data = G.to_numpy(t, ndim=4)
+            data.view(np.uint8)[...] = 0x5A  # what the graph left in the memory
+            ca.set_input_kq_mask(t, ca.get_ubatch(), True)
+            want = cb.kq_mask(True, type_)
+            assert want.dtype == gt
+            same_value(data[:, 0].view(np.uint8), want.view(np.uint8), "kq_mask in the reused tensor")
+
+        for step in range(3):
+            check(decode())
+            undo()
+            check(decode())
+        undo()                        # left in place: the same tokens' mask again
+        undo(2, 6)                    # a range: the row rebuilt
+        check(decode())
+        if unified:
+            decode(300)               # n_kv 512: another tensor, then the first again
+            check(decode())
+            undo(300, -1)
+            undo()
+            check(decode())
+    rows = fast.inputs.mask_rows._one if n_seq == 1 else fast.inputs.mask_rows._tokens
+    assert (rows.last_out[0] is not None) == (n_seq == 1 or kv_size == 256), "the byte copy served (only) one span"
 
 
 @pytest.mark.parametrize("unified", [True, False])

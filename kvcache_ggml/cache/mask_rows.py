@@ -208,7 +208,7 @@ class _TokenRows:
     cells of a stream are one object for the cache's life (KVBookkeeping makes them once), so their logs are too."""
 
     __slots__ = ("seqs", "ftype", "rows", "frows", "rows_m", "neg", "neg_i", "n_valid", "cells", "logs", "seq_m",
-                 "bulk", "n_ones", "last_view")
+                 "bulk", "n_ones", "last_out")
 
     def __init__(self, seqs: list[int], cells: list[KVCells], out: np.ndarray) -> None:
         n_kv = out.shape[1]
@@ -226,7 +226,9 @@ class _TokenRows:
         self.seq_m = [c.seq_words() for c in cells]          # ... their sequence bits (taken again each epoch)
         self.bulk = [log.bulk for log in self.logs]          # each row's log position: bulk count...
         self.n_ones = [len(log.one_cells) for log in self.logs]  # ... and single-cell entries seen
-        self.last_view = (-1, None)                          # (n_kv, frows[:, :n_kv]) of the last write
+        # the last ``out`` written whose rows are one span of ``rows``: (out, a byte view of it, the same bytes of
+        # rows) -- the next write to it is a byte copy (memoryview: no numpy dispatch)
+        self.last_out: tuple = (None, None, None)
 
     def write(self, out: np.ndarray, pos: Sequence[int], causal: bool) -> bool:
         """Bring every row up to date over [0, n_kv) and copy the rows into ``out`` [n_tokens, n_kv] -- False
@@ -257,16 +259,20 @@ class _TokenRows:
 
     def _copy(self, out: np.ndarray) -> bool:
         """Extend the rows over [n_valid, n_kv) if ``out`` [n_tokens, n_kv] reaches further, then copy them there."""
+        last = self.last_out
+        if last[0] is out:  # the mask view of the last write (a decode loop): as wide, the rows cover it already
+            last[1][:] = last[2]
+            return True
         n_kv = out.shape[1]
         n_valid = self.n_valid
         if n_kv > n_valid:
             for i, (cells, s) in enumerate(zip(self.cells, self.seqs)):
                 np.multiply(cells.seq_absent(s, n_kv)[n_valid:], self.neg, out=self.rows[i, n_valid:n_kv])
             self.n_valid = n_kv
-        view = self.last_view
-        if view[0] != n_kv:
-            view = self.last_view = (n_kv, self.frows[:, :n_kv])
-        out[...] = view[1]
+        out[...] = self.frows[:, :n_kv]
+        if len(self.seqs) == 1 or n_kv == self.rows.shape[1]:  # the rows' first n_kv columns are one span
+            if out.flags.c_contiguous:  # (the inputs' views are)
+                self.last_out = (out, memoryview(out).cast("B"), memoryview(self.rows).cast("B")[:out.nbytes])
         return True
 
     def _rebuild(self, i: int) -> None:
