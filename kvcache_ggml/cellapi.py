@@ -146,7 +146,7 @@ class OneCellAPI:
             head = 0
         if head >= len(self._pos_m) or self._pos_m[head] >= 0:
             return None
-        end = u.end(self._pos) if u.hi_dirty else u.hi
+        end = u.end(self._pos, self._pos_m) if u.hi_dirty else u.hi
         return head, (end if end > head else head + 1)
 
     def seq_rm_last(self, seq_id: int, p0: int, p1: int) -> int | None:

@@ -163,7 +163,7 @@ class UsedRange:
                 errs.append(f"{where}: stored used_max_p1 {self.hi} (stale: {self.hi_dirty}), last used cell + 1 = "
                             f"{hi}")
         first = self.first(pos) if self.lo_dirty else self.lo
-        end = self.end(pos) if self.hi_dirty else self.hi
+        end = self.end(pos, memoryview(pos)) if self.hi_dirty else self.hi
         if first != lo:
             errs.append(f"{where}: used_min() = {first}, first used cell is {lo}")
         if end != hi:
@@ -230,10 +230,11 @@ class UsedRange:
         if hi >= self.hi:
             self.hi_dirty = True
 
-    def end(self, pos: np.ndarray) -> int:
-        """The last used cell + 1, shrinking a dirty bound (backward scan of ``pos`` in growing chunks)."""
+    def end(self, pos: np.ndarray, pos_m: memoryview) -> int:
+        """The last used cell + 1, shrinking a dirty bound (backward scan of ``pos`` in growing chunks; ``pos_m``,
+        a memoryview of it, for the scalar reads)."""
         hi, step = self.hi, 64
-        if hi > 1 and pos[hi - 2] >= 0 and pos[hi - 1] < 0:  # the last cell was freed, the one before is used
+        if hi > 1 and pos_m[hi - 2] >= 0 and pos_m[hi - 1] < 0:  # the last cell was freed, the one before is used
             hi -= 1
         else:
             while hi > 0:

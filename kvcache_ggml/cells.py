@@ -117,7 +117,7 @@ class KVCells(OneCellAPI):
 
     def used_max_p1(self) -> int:
         u = self._used
-        return u.end(self._pos) if u.hi_dirty else u.hi
+        return u.end(self._pos, self._pos_m) if u.hi_dirty else u.hi
 
     def get_has_shift(self) -> bool:
         return self._has_shift

@@ -76,8 +76,8 @@ def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPosi
         n_outputs = int(output.item(0) != 0)
         if output_all and not n_outputs:
             return None  # the general path warns and overrides
-    ba._commit(batch, pos_all, pos0, seq2d, seq2d[:, 0], n_seq_id, False, [s], None, {s: (p, p, 1)}, output,
-               n_outputs)
+    ba._commit(batch, pos_all, pos0, seq2d, seq2d[0], n_seq_id, False, [s], None, {s: (p, p, 1)}, output,
+               n_outputs)  # (seq2d[0]: seq2d[:, 0] of its one row)
     return s, p
 
 

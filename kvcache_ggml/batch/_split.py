@@ -371,7 +371,7 @@ class BatchSplitter:
         every token unused before): the arrays that only depend on the sequences are shared read-only ones."""
         assert n == self._n and not self._has_cpl
         npe = self.n_pos_per_embd
-        seq_id, n_seq_id, unq, seq_idx = _decode_arrays(self._seq0.item(0) if n == 1 else tuple(self._seq0.tolist()))
+        seq_id, n_seq_id, unq, seq_idx = _decode_arrays(self._seqs[0] if n == 1 else tuple(self._seq0.tolist()))
         output = self._output
         if output.flags.writeable:  # the caller's flags (the allocator's own defaults are read-only)
             output = output.copy()

@@ -67,6 +67,7 @@ class KVBookkeeping:
         # read-only 0..kv_size-1: the one-cell slot of a decode step is a view of it (cheaper than a new array)
         self._cell_ids = np.arange(self.kv_size, dtype=np.int64)
         self._cell_ids.flags.writeable = False
+        self._cell_col = self._cell_ids.reshape(-1, 1)  # [kv_size, 1]: _cell_col[i] is cell i's one-cell slot (int index)
 
     # ================================================================== memory API
 
@@ -328,7 +329,7 @@ class KVBookkeeping:
         if self.n_stream == 1:  # every sequence is in stream 0
             got = self.v_cells[0].one_token_slot(self.v_heads[0]) if n_tokens == 1 and not cont else None
             if got is not None:  # the decode step: the free head cell (always usable), found in one call
-                return SlotInfo(0, 0, [0], [self._cell_ids[got[0]:got[0] + 1]], got[0])
+                return SlotInfo(0, 0, [0], [self._cell_col[got[0]]], got[0])
             idx = self._slot_in(0, n_tokens, cont)
             return SlotInfo() if idx is None else SlotInfo(0, 0, [0], [idx], idx.item(0) if n_tokens == 1 else -1)
         if n_tokens % ubatch.n_seqs_unq:
@@ -361,7 +362,7 @@ class KVBookkeeping:
             log.error("find_slot: n_tokens = %d > size = %d", n_tokens, self.kv_size)
             return None
         if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_at(head_cur) < 0:
-            return self._cell_ids[head_cur:head_cur + 1]  # the decode step: the head cell is free (always usable)
+            return self._cell_col[head_cur]  # the decode step: the head cell is free (always usable)
         if self.fast and not cont:  # a few cells from the head, usable (free, or left behind by the window)?
             h = slot_run(self, cells, head_cur, n_tokens)
             if h is not None:
