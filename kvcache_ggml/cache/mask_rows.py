@@ -232,10 +232,8 @@ class _TokenRows:
 
     def write(self, out: np.ndarray, pos: Sequence[int], causal: bool) -> bool:
         """Bring every row up to date over [0, n_kv) and copy the rows into ``out`` [n_tokens, n_kv] -- False
-        (``out`` unwritten) when a token at ``pos`` needs its positions tested (as :meth:`MaskRows.write`).  A row
-        takes its log's new entries newest first, each cell once (an undone step and the next one log the same cell
-        twice: the row follows the cell's current bits either way)."""
-        rows_m, n_valid, neg_i, bulk, n_ones = self.rows_m, self.n_valid, self.neg_i, self.bulk, self.n_ones
+        (``out`` unwritten) when a token at ``pos`` needs its positions tested (as :meth:`MaskRows.write`)."""
+        bulk, n_ones = self.bulk, self.n_ones
         i = 0
         for log, s, cells, p in zip(self.logs, self.seqs, self.cells, pos):
             lo, hi = cells.seq_pos_bounds(s)
@@ -244,18 +242,40 @@ class _TokenRows:
             if log.bulk != bulk[i]:
                 self._rebuild(i)
             else:
-                one_cells = log.one_cells
-                m, k = len(one_cells), n_ones[i]
-                if m > k:  # (the decode step's one or two single cells per stream)
-                    one_seqs, seq_m, done = log.one_seqs, self.seq_m[i], -1
-                    for k in range(m - 1, k - 1, -1):
-                        c = one_cells[k]
-                        if c != done and one_seqs[k] == s and c < n_valid:
-                            rows_m[i, c] = 0 if seq_m[s >> 6, c] >> (s & 63) & 1 else neg_i
-                            done = c
-                    n_ones[i] = m
+                m = len(log.one_cells)
+                if m > n_ones[i]:  # (the decode step's one or two single cells per stream)
+                    self._patch(i, s, log, m)
             i += 1
         return self._copy(out)
+
+    def write_one(self, out: np.ndarray, p: int, causal: bool) -> bool:
+        """:meth:`write` of the one token of a one-token write (the decode step of one sequence), without the loop
+        over tokens."""
+        s = self.seqs[0]
+        lo, hi = self.cells[0].seq_pos_bounds(s)
+        if lo < 0 or (causal and hi > p):
+            return False
+        log = self.logs[0]
+        if log.bulk != self.bulk[0]:
+            self._rebuild(0)
+        else:
+            m = len(log.one_cells)
+            if m > self.n_ones[0]:
+                self._patch(0, s, log, m)
+        return self._copy(out)
+
+    def _patch(self, i: int, s: int, log: ChangeLog, m: int) -> None:
+        """Row i (sequence ``s``) from its log's single-cell entries [n_ones[i], m), newest first, each cell once (an
+        undone step and the next one log the same cell twice: the row follows the cell's current bits either
+        way)."""
+        one_cells, one_seqs, seq_m, rows_m = log.one_cells, log.one_seqs, self.seq_m[i], self.rows_m
+        n_valid, w, sh, done = self.n_valid, s >> 6, s & 63, -1
+        for k in range(m - 1, self.n_ones[i] - 1, -1):
+            c = one_cells[k]
+            if c != done and one_seqs[k] == s and c < n_valid:
+                rows_m[i, c] = 0 if seq_m[w, c] >> sh & 1 else self.neg_i
+                done = c
+        self.n_ones[i] = m
 
     def _copy(self, out: np.ndarray) -> bool:
         """Extend the rows over [n_valid, n_kv) if ``out`` [n_tokens, n_kv] reaches further, then copy them there."""
@@ -302,7 +322,7 @@ class MaskRows:
         """Fill the mask ``rows`` [1, n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
         one = self._one  # (the same sequence and type step after step: its row patched from the log, one copy)
         if one is not None and one.seqs[0] == seq_id and one.ftype is rows.dtype:
-            return one.write(rows, (p1,), causal)
+            return one.write_one(rows, p1, causal)
         book = self.book
         strm = book.stream_of[seq_id]
         cells = book.v_cells[strm]
