@@ -52,6 +52,10 @@ def same_value(a, b, what):
 def same_ubatch(a, b):
     for f in UB_FIELDS:
         same_value(getattr(a, f), getattr(b, f), f"ubatch.{f}")
+    for u in (a, b):  # a one-token decode ubatch's ints are its arrays' values
+        if u.one is not None:
+            assert u.n_tokens == 1 and u.n_pos == 1 and u.seq_id.shape == (1, 1), u
+            assert u.one == (int(u.seq_id[0, 0]), int(u.pos[0])), (u.one, u.seq_id, u.pos)
 
 
 def same_allocator(a: BatchAllocator, b: BatchAllocator):
@@ -526,7 +530,7 @@ def test_one_mask_tensor_filled_step_after_step(type_, n_seq, unified, kv_size):
 @pytest.mark.parametrize("unified", [True, False])
 def test_decode_step_takes_the_fast_paths(unified):
     """The decode step's work goes through the fast paths (a guard against a condition that silently never holds):
-    no general split groups, the newest-cell undo, the ready mask rows."""
+    no general split groups, the newest-cell undo, the ready mask rows, a one-token ubatch's ints."""
     kv = make_cache(64, 4, unified)
     for s in range(4):
         ba = BatchAllocator(1)
@@ -550,6 +554,10 @@ def test_decode_step_takes_the_fast_paths(unified):
     for s in range(4):
         cells = kv.v_cells[kv.book.stream_of[s]]
         assert cells.seq_rm_last(s, 5, 2**31 - 1) is not None
+    one = BatchAllocator(1)  # one token: its ubatch carries (sequence, position) as ints
+    one.init(Batch(token=np.full(1, 3, np.int32), seq_id=np.full(1, 2, np.int32)), N_VOCAB, kv, 16, 4, False)
+    ctx = kv.init_batch(one, 512)
+    assert ctx.get_ubatch().one == (2, 5) and ctx.get_sinfo().cell >= 0
 
 
 @pytest.mark.parametrize("fast", [True, False])

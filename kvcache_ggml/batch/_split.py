@@ -140,18 +140,18 @@ class BatchSplitter:
         n = self._n
         if h >= n:
             return _empty_ubatch()
+        if n == len(self._seqs) and not self._n_used and n <= n_ubatch and not self._has_cpl and self.fast:
+            # the decode step: one token of each of n sequences (n = 1 too).  split_equal takes them all, in batch
+            # order, when the scan below would: always, or (sequential) when the ids rise by one in batch order
+            if not sequential or n == 1 or self._seq0_rise_by_one():
+                self._n_used, self._hint = n, n
+                return self._ubatch_decode(n, True)
         if len(self._seqs) == 1 and not self._has_cpl:
             # one sequence: one set whose unused tokens are h.., as many rounds as n_ubatch allows
             k = min(n - h, max(1, n_ubatch))
             self._used_mask()[h:h + k] = True
             self._n_used += k
             return self._ubatch_span(h, k, 1, True, np.array(self._seqs, np.int32))
-        if n == len(self._seqs) and not self._n_used and n <= n_ubatch and not self._has_cpl and self.fast:
-            # the decode step: one token of each of n sequences.  split_equal takes them all, in batch order, when
-            # the scan below would: always, or (sequential) when the ids rise by one in batch order
-            if not sequential or self._seq0_rise_by_one():
-                self._n_used, self._hint = n, n
-                return self._ubatch_decode(n, True)
 
         self._ensure_groups()
         gorder, gstart, gsize = self._gorder, self._gstart, self._gsize
@@ -384,7 +384,8 @@ class BatchSplitter:
                                                  self._pos_all.copy())
         ub = UBatch(n, 1, n, n, npe, equal_seqs,
                     None if self._token is None else self._token.copy(),
-                    None if self._embd is None else self._embd.copy(), pos, n_seq_id, seq_id, unq, seq_idx, output)
+                    None if self._embd is None else self._embd.copy(), pos, n_seq_id, seq_id, unq, seq_idx, output,
+                    (self._seqs[0], pos.item(0)) if n == 1 and npe == 1 else None)
         if self._debug > 0:
             logger.debug("ubatch_add: added ubatch to split:")
             _print_ubatch(ub, self._n_outputs, self._debug > 1)

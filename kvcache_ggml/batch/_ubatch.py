@@ -74,6 +74,9 @@ class UBatch:
     seq_id_unq: np.ndarray        # int32 [n_seqs_unq] the distinct sequence ids, ascending
     seq_idx: np.ndarray           # int32 [LLAMA_MAX_SEQ] index of each sequence id in seq_id_unq, -1 if absent
     output: np.ndarray            # int8 [n_tokens] output flags (copied from the batch's logits)
+    # a one-token decode ubatch's (sequence, position) as Python ints, the values of its seq_id and pos arrays (the
+    # step's placement and mask read them without numpy); None for any other ubatch
+    one: tuple[int, int] | None = None
 
     def equal_seqs(self) -> bool:
         return bool(self.b_equal_seqs)

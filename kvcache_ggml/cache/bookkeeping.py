@@ -410,12 +410,12 @@ class KVBookkeeping:
         """apply_ubatch's fast path (no 2-D positions): with every cell of the slot empty (always without SWA), place
         the tokens (the decode step: scalar Python) and move the heads; False, nothing done, if one is occupied."""
         v_cells = self.v_cells
-        i = sinfo.cell
-        if i >= 0 and ubatch.seq_id.shape[1] == 1:  # one token (of one sequence) in one stream
+        i, one = sinfo.cell, ubatch.one
+        if i >= 0 and one is not None:  # one token (of one sequence) in one stream
             st = sinfo.strm[0]
             if v_cells[st].pos_at(i) >= 0:
                 return False
-            v_cells[st].place_one(i, ubatch.pos.item(0), ubatch.seq_id.item(0))
+            v_cells[st].place_one(i, one[1], one[0])
             self.v_heads[st] = i + 1
             return True
         if len(sinfo.idxs[0]) != 1:

@@ -242,8 +242,9 @@ class KVInputs:
         if last[0] is not dst or last[1] != n or last[2].tobytes() != last[3]:  # (_last_view's test)
             last = self._last_view(2, dst, n, self.kq_mask_view)
         rows = last[4]
-        if n == 1 and self._plain and self.fast and ubatch.n_pos < 3 and rows.shape[1]:  # fill_kq_mask's decode row
-            if self.mask_rows.write_one(rows, ubatch.seq_id.item(0), ubatch.pos.item(0), bool(causal_attn)):
+        one = ubatch.one
+        if one is not None and self._plain and self.fast and rows.shape[1]:  # fill_kq_mask's decode row
+            if self.mask_rows.write_one(rows, one[0], one[1], bool(causal_attn)):
                 return
         self.fill_kq_mask(rows, ubatch, causal_attn)
 
