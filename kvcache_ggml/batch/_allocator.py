@@ -57,9 +57,10 @@ class BatchAllocator(BatchSplitter):
     __slots__ = ()
 
     def __init__(self, n_pos_per_embd: int = 1) -> None:
-        if int(n_pos_per_embd) < 1:
+        npe = int(n_pos_per_embd)
+        if npe < 1:
             raise ValueError(f"n_pos_per_embd = {n_pos_per_embd}, expected >= 1")
-        self.n_pos_per_embd = int(n_pos_per_embd)
+        self.n_pos_per_embd = npe
         self._debug = _DEBUG if _DEBUG is not None else read_debug_env()
         self.fast = True
         # the batch's fields are set by init (_commit); until then only what _clear sets is read

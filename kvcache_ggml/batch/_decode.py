@@ -64,7 +64,7 @@ def _init_one(ba: BatchAllocator, batch: Batch, n_vocab: int, memory: MemoryPosi
             return None
         pos_all = pos0 = np.array([p], np.int32)
     else:
-        if pos_all.shape[0] != 1:
+        if len(pos_all) != 1:  # (1-D)
             return None
         pos0, p = pos_all, pos_all.item(0)  # (shape (1,): the whole array)
     if p < -1 or (m >= 0 and p != m + 1):  # (the general path's errors)

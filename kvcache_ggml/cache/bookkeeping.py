@@ -218,7 +218,10 @@ class KVBookkeeping:
     def padded_n_kv(self, used: int) -> int:
         """``used`` cells padded to max(n_pad, 256) (GGML_PAD: a true multiple for powers of two), capped at size."""
         n_pad_cur = self.n_pad_cur
-        return min(self.kv_size, max(n_pad_cur, (used + n_pad_cur - 1) & ~(n_pad_cur - 1)))
+        n = (used + n_pad_cur - 1) & ~(n_pad_cur - 1)
+        if n < n_pad_cur:  # (no min/max calls: every step comes here)
+            n = n_pad_cur
+        return n if n < self.kv_size else self.kv_size
 
     # ================================================================== preparation API
 
