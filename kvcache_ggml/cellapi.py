@@ -137,6 +137,16 @@ class OneCellAPI:
         """The position of cell ``i`` (-1: empty), a Python int (the fused decode step's read)."""
         return self._pos_m[i]
 
+    def one_token_cell(self, head: int) -> int:
+        """find_slot's cell for one token searched from ``head`` (the rule of :meth:`one_token_slot`) if it is free,
+        else -1: without the used end, which find_slot does not need (a dirty bound stays dirty; the placement
+        usually makes it exact again)."""
+        if head > self._used.n + 2:
+            head = 0
+        if head >= len(self._pos_m) or self._pos_m[head] >= 0:
+            return -1
+        return head
+
     def one_token_slot(self, head: int) -> tuple[int, int] | None:
         """find_slot's cell for one token searched from ``head`` -- the head, or cell 0 when the head is more than two
         cells past the used count (the search's restart) -- if that cell is free: (the cell, used_max_p1() once a

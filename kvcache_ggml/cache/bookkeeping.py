@@ -330,9 +330,9 @@ class KVBookkeeping:
             self._debug_dump(ubatch)
         n_tokens = ubatch.n_tokens
         if self.n_stream == 1:  # every sequence is in stream 0
-            got = self.v_cells[0].one_token_slot(self.v_heads[0]) if n_tokens == 1 and not cont else None
-            if got is not None:  # the decode step: the free head cell (always usable), found in one call
-                return SlotInfo(0, 0, [0], [self._cell_col[got[0]]], got[0])
+            i = self.v_cells[0].one_token_cell(self.v_heads[0]) if n_tokens == 1 and not cont else -1
+            if i >= 0:  # the decode step: the free head cell (always usable), found in one call
+                return SlotInfo(0, 0, [0], [self._cell_col[i]], i)
             idx = self._slot_in(0, n_tokens, cont)
             return SlotInfo() if idx is None else SlotInfo(0, 0, [0], [idx], idx.item(0) if n_tokens == 1 else -1)
         if n_tokens % ubatch.n_seqs_unq:
