@@ -67,7 +67,7 @@ class KVBookkeeping:
         # read-only 0..kv_size-1: the one-cell slot of a decode step is a view of it (cheaper than a new array)
         self._cell_ids = np.arange(self.kv_size, dtype=np.int64)
         self._cell_ids.flags.writeable = False
-        self._cell_col = self._cell_ids.reshape(-1, 1)  # [kv_size, 1]: _cell_col[i] is cell i's one-cell slot (int index)
+        self._cell_col = self._cell_ids.reshape(-1, 1)  # [kv_size, 1]: row i, cell i's one-cell slot (an int index)
 
     # ================================================================== memory API
 
@@ -283,7 +283,7 @@ class KVBookkeeping:
                 return []
             # ... nor with SWA when the slot is empty or its placement and roll-back change nothing
             if self.no_swa or rolls_back_clean(self, first, ubatches[0]):
-                if first.strm[0] != 0 or first.strm[-1] != len(first.strm) - 1:  # (streams 0, 1, ...: no-op)
+                if self.n_stream > 1 and (first.strm[0] != 0 or first.strm[-1] != len(first.strm) - 1):  # (else no-op)
                     self._restore_heads(first, list(self.v_heads))
                 return [first]
         res: list[SlotInfo] = []
