@@ -142,9 +142,8 @@ class CacheStep:
         self._k_m[0] = row = i + st * size
         inputs = self.inputs
         if inputs.v_trans:  # one index per V element: element j of the cell at j*kv_size, streams kv_size*n_embd apart
-            elem = inputs._v_elem_offs
-            inputs._v_base0_m[()] = i + st * size * elem.shape[0]  # (a 0-d array: no Python int to convert)
-            np.add(elem, inputs._v_base0, v_idxs)
+            inputs._v_base0_m[()] = i + st * inputs._v_stream_stride  # (a 0-d array: no Python int to convert)
+            np.add(inputs._v_elem_offs, inputs._v_base0, v_idxs)
         else:
             self._v_m[0] = row
         if not inputs.mask_rows.write_one(mask, s, p, causal):

@@ -91,6 +91,7 @@ class KVInputs:
         self.kv_size = book.get_size()                # cells per stream
         # offset of element j of a transposed V row in its stream: the per-step v_idxs input adds it to each cell
         self._v_elem_offs = np.arange(hparams.n_embd_v_gqa_max(), dtype=np.int64) * self.kv_size
+        self._v_stream_stride = self.kv_size * hparams.n_embd_v_gqa_max()  # ... and streams this far apart
         # one token's cell base in a 0-d array (set through its memoryview): np.add of two arrays skips the
         # conversion of a Python int, about half the cost of the call
         self._v_base0 = np.zeros((), np.int64)
@@ -182,9 +183,8 @@ class KVInputs:
             if last[0] is not dst or last[1] != 1 or last[2].tobytes() != last[3]:  # (_last_view's test)
                 last = self._last_view(1, dst, 1, self.v_idxs_view)
             if self.v_trans:
-                elem = self._v_elem_offs
-                self._v_base0_m[()] = sinfo.cell + sinfo.strm[0] * self.kv_size * elem.shape[0]
-                np.add(elem, self._v_base0, last[4])
+                self._v_base0_m[()] = sinfo.cell + sinfo.strm[0] * self._v_stream_stride
+                np.add(self._v_elem_offs, self._v_base0, last[4])
             else:
                 last[5][0] = sinfo.cell + sinfo.strm[0] * self.kv_size
             return
