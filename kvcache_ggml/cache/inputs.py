@@ -244,7 +244,7 @@ class KVInputs:
         rows = last[4]
         one = ubatch.one
         if one is not None and self._plain and self.fast and rows.shape[1]:  # fill_kq_mask's decode row
-            if self.mask_rows.write_one(rows, one[0], one[1], bool(causal_attn)):
+            if self.mask_rows.write_one(rows, one[0], one[1], causal_attn):  # (its truth value only)
                 return
         self.fill_kq_mask(rows, ubatch, causal_attn)
 
