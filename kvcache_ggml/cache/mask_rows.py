@@ -268,9 +268,16 @@ class _TokenRows:
         """Row i (sequence ``s``) from its log's single-cell entries [n_ones[i], m), newest first, each cell once (an
         undone step and the next one log the same cell twice: the row follows the cell's current bits either
         way)."""
+        k = self.n_ones[i]
+        if m == k + 1:  # one new entry (a decode loop's placement)
+            c = log.one_cells[k]
+            if log.one_seqs[k] == s and c < self.n_valid:
+                self.rows_m[i, c] = 0 if self.seq_m[i][s >> 6, c] >> (s & 63) & 1 else self.neg_i
+            self.n_ones[i] = m
+            return
         one_cells, one_seqs, seq_m, rows_m = log.one_cells, log.one_seqs, self.seq_m[i], self.rows_m
         n_valid, w, sh, done = self.n_valid, s >> 6, s & 63, -1
-        for k in range(m - 1, self.n_ones[i] - 1, -1):
+        for k in range(m - 1, k - 1, -1):
             c = one_cells[k]
             if c != done and one_seqs[k] == s and c < n_valid:
                 rows_m[i, c] = 0 if seq_m[w, c] >> sh & 1 else self.neg_i
