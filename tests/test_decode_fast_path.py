@@ -344,6 +344,25 @@ TestLargeStreams = _machine("LargeStreams", kv_size=512, n_seq_max=3, unified=Fa
 
 # ---------------------------------------------------------------------------------------------- hand-made cases
 
+def decode_both(caches, seqs, n=1):
+    """One batch of ``n`` tokens of each sequence of ``seqs`` into each cache, every ubatch applied: the contexts,
+    each on its last ubatch."""
+    ctxs = []
+    for kv in caches:
+        ba = BatchAllocator(1)
+        ba.init(Batch(token=np.full(n * len(seqs), 3, np.int32), seq_id=np.repeat(np.array(seqs, np.int32), n)),
+                N_VOCAB, kv, 16, kv.n_seq_max, False)
+        ctx = kv.init_batch(ba, 2048)
+        assert ctx.get_status() == MemoryStatus.SUCCESS
+        while True:
+            ctx.apply()
+            if not ctx.next():
+                break
+        ctx.i_cur -= 1
+        ctxs.append(ctx)
+    return ctxs
+
+
 def test_mask_rows_patch_and_rebuild_match_the_full_build():
     """Eight sequences decoding in one stream, undone and redone, with the log dropped in between: the ready rows
     give the bytes of the full build every step."""
@@ -384,20 +403,7 @@ def test_token_rows_across_streams_match_the_full_build(type_):
     general(slow)
 
     def decode(seqs, n=1):
-        ctxs = []
-        for kv in (fast, slow):
-            ba = BatchAllocator(1)
-            ba.init(Batch(token=np.full(n * len(seqs), 3, np.int32), seq_id=np.repeat(np.array(seqs, np.int32), n)),
-                    N_VOCAB, kv, 16, 3, False)
-            ctx = kv.init_batch(ba, 2048)
-            assert ctx.get_status() == MemoryStatus.SUCCESS
-            while True:
-                ctx.apply()
-                if not ctx.next():
-                    break
-            ctx.i_cur -= 1
-            ctxs.append(ctx)
-        return ctxs
+        return decode_both((fast, slow), seqs, n)
 
     def both(name, *args):
         assert getattr(fast, name)(*args) == getattr(slow, name)(*args)
@@ -453,6 +459,10 @@ def test_token_row_of_one_sequence_matches_the_full_build(type_):
     for kv in (fast, slow):
         kv.seq_rm(0, kv.seq_pos_max(0), -1)     # left in place: the same token's mask again
     same_inputs(*ctxs, type_)
+    decode()                                    # placed and undone twice unseen: the newest of three entries a loss
+    for kv in (fast, slow):
+        kv.seq_rm(0, kv.seq_pos_max(0), -1)
+    same_inputs(*ctxs, type_)
     for kv in (fast, slow):
         kv.seq_rm(0, 2, 6)                      # a range: the row rebuilt
     same_inputs(*decode(), type_)
@@ -475,19 +485,7 @@ def test_one_mask_tensor_filled_step_after_step(type_, n_seq, unified, kv_size):
     gt = np.float32 if type_ == "f32" else np.float16
 
     def decode(n=1):
-        ctxs = []
-        for kv in (fast, slow):
-            ba = BatchAllocator(1)
-            ba.init(Batch(token=np.full(n * n_seq, 3, np.int32), seq_id=np.repeat(np.array(seqs, np.int32), n)),
-                    N_VOCAB, kv, 16, n_seq, False)
-            ctx = kv.init_batch(ba, 2048)
-            while True:
-                ctx.apply()
-                if not ctx.next():
-                    break
-            ctx.i_cur -= 1
-            ctxs.append(ctx)
-        return ctxs
+        return decode_both((fast, slow), seqs, n)
 
     def undo(p0=None, p1=-1, seq=0):
         for kv in (fast, slow):
