@@ -212,10 +212,10 @@ class KVInputs:
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]
         if one:
-            self._v_base0_m[()] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size * n_embd
+            self._v_base0_m[()] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self._v_stream_stride
             np.add(elem, self._v_base0, out)
             return
-        base = np.asarray(self._token_cells(sinfo, stream_stride=self.kv_size * n_embd), np.int64)  # [n_tokens]
+        base = np.asarray(self._token_cells(sinfo, stream_stride=self._v_stream_stride), np.int64)  # [n_tokens]
         np.add(base[:, None], elem, out=out.reshape(n_tokens, n_embd))
 
     def set_input_k_shift(self, dst: Any) -> None:

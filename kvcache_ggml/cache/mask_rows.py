@@ -24,8 +24,6 @@ that such a step's mask is one copy of ``n_tokens x n_kv`` values after a few sc
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
@@ -230,7 +228,7 @@ class _TokenRows:
         # rows) -- the next write to it is a byte copy (memoryview: no numpy dispatch)
         self.last_out: tuple = (None, None, None)
 
-    def write(self, out: np.ndarray, pos: Sequence[int], causal: bool) -> bool:
+    def write(self, out: np.ndarray, pos: list[int], causal: bool) -> bool:
         """Bring every row up to date over [0, n_kv) and copy the rows into ``out`` [n_tokens, n_kv] -- False
         (``out`` unwritten) when a token at ``pos`` needs its positions tested (as :meth:`MaskRows.write`)."""
         bulk, n_ones = self.bulk, self.n_ones
