@@ -378,6 +378,18 @@ def test_row_size_by_hand():
         G.row_size("q8_0", 33)
 
 
+def test_type_tables_agree_with_ggml():
+    """The per-type tables read at import answer as ggml's own functions, for every type and a few row lengths."""
+    for t in G.GGMLType:
+        blck = G.ggml_blck_size(int(t))
+        assert (G.blck_size(t), G.type_size(t)) == (blck, G.ggml_type_size(int(t)))
+        assert G.is_quantized(int(t)) is bool(G.ggml_is_quantized(int(t)))
+        for n in (0, blck, 7 * blck, 4096 * blck):
+            assert G.row_size(t, n) == G.ggml_row_size(int(t), n)
+    for v in (G.GGMLType.Q8_0, 8, True, np.int64(8)):  # members, ints, bools and numpy ints as before
+        assert G.parse_type(v) is G.GGMLType(int(v))
+
+
 def test_type_names_round_trip():
     assert len(G.type_names()) == len(G.GGMLType)
     for t in G.GGMLType:
@@ -424,6 +436,28 @@ def test_tensor_fields_by_hand():
             G.set_name(v, "v" * 64)
         with pytest.raises(ValueError, match="source index 10"):
             G.src(v, 10)
+
+
+def test_host_flat_is_a_flat_live_view():
+    """host_flat: the elements of a dense host tensor in memory order, written through; None without elements or
+    data; quantized and strided tensors as to_numpy gives them, flattened."""
+    with G.Context(1 << 16) as ctx:
+        for dtype in (np.float32, np.float16, np.int32, np.int64):
+            a = np.arange(30).astype(dtype).reshape(2, 3, 5)
+            t = G.from_numpy(ctx, a)
+            flat = G.host_flat(t)
+            assert flat.shape == (30,) and flat.dtype == dtype
+            np.testing.assert_array_equal(flat, a.reshape(-1))
+            flat[7] = 3
+            assert G.to_numpy(t)[0, 1, 2] == 3
+        assert G.host_flat(ctx.new_tensor("f32", (0, 4))) is None
+        q = ctx.new_tensor("q8_0", (64, 3))
+        np.testing.assert_array_equal(G.host_flat(q), G.to_numpy(q).reshape(-1))
+        t = G.from_numpy(ctx, np.arange(15, dtype=np.float32).reshape(3, 5))
+        v = G.ggml_view_2d(ctx.ptr, t, 2, 3, G.nb(t)[1], 4)  # columns 1..2 of each row
+        np.testing.assert_array_equal(G.host_flat(v), np.arange(15).reshape(3, 5)[:, 1:3].reshape(-1))
+    with G.Context(1 << 16, no_alloc=True) as ctx:
+        assert G.host_flat(ctx.new_tensor("f32", (4,))) is None  # no data yet
 
 
 def test_to_numpy_views_and_copies():

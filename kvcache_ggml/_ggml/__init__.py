@@ -17,8 +17,9 @@ from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML
                      Status, blck_size, cpu_can_use, is_quantized, op_name, parse_type, quantize, row_size, type_name,
                      type_names, type_size)
 from ._tensor import (addr, buffer, data_ptr, from_numpy, get_into, handle, header, header_words, host_bytes,
-                      is_contiguous, is_host, name, nb, nbytes, ne, nelements, new_bytes, new_tensor, np_dtype,
-                      np_shape, op, set_buffer, set_name, set_tensor, src, to_numpy, ttype, view_offs, view_src)
+                      host_flat, is_contiguous, is_host, name, nb, nbytes, ne, nelements, new_bytes, new_tensor,
+                      np_dtype, np_shape, op, set_buffer, set_name, set_tensor, src, to_numpy, ttype, view_offs,
+                      view_src)
 from ._owners import (TENSOR_ALIGNMENT, Backend, BackendBuffer, Context, Graph, Sched, aligned_zeros, buft_name,
                       cpu_buffer_type, dev_memory)
 from ._convert import dequantize
@@ -36,8 +37,9 @@ __all__ = sorted(FUNCTIONS) + [
     "cpu_can_use", "is_quantized", "op_name", "parse_type", "quantize", "row_size", "type_name", "type_names",
     "type_size",
     "addr", "buffer", "data_ptr", "from_numpy", "get_into", "handle", "header", "header_words", "host_bytes",
-    "is_contiguous", "is_host", "name", "nb", "nbytes", "ne", "nelements", "new_bytes", "new_tensor", "np_dtype",
-    "np_shape", "op", "set_buffer", "set_name", "set_tensor", "src", "to_numpy", "ttype", "view_offs", "view_src",
+    "host_flat", "is_contiguous", "is_host", "name", "nb", "nbytes", "ne", "nelements", "new_bytes", "new_tensor",
+    "np_dtype", "np_shape", "op", "set_buffer", "set_name", "set_tensor", "src", "to_numpy", "ttype", "view_offs",
+    "view_src",
     "TENSOR_ALIGNMENT", "Backend", "BackendBuffer", "Context", "Graph", "Sched", "aligned_zeros", "buft_name",
     "cpu_buffer_type", "dev_memory",
     "Device", "commit", "device", "devices", "extra_bufts", "registries", "weight_op_supported", "rpc_add_server",

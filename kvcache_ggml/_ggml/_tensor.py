@@ -6,12 +6,14 @@ one place that turns one into the other.
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Sequence
 
 import numpy as np
 
 from ._lib import FUNCTIONS as _F
 from ._lib import TensorP, ggml_tensor
+from ._types import _BY_VALUE
 from ._types import (GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MEM_ALIGN, GGML_MAX_SRC, GGMLOp, GGMLType, _cstr, is_quantized,
                      parse_type, row_size, type_name)
 
@@ -71,7 +73,9 @@ def header_words(t: TensorP) -> np.ndarray:
 
 
 def ttype(t: TensorP) -> GGMLType:
-    return GGMLType(_c(t).type)
+    v = _c(t).type
+    found = _BY_VALUE.get(v)
+    return GGMLType(v) if found is None else found  # (the enum call only for a value it does not know: its error)
 
 
 def name(t: TensorP) -> str:
@@ -226,6 +230,22 @@ def host_bytes(t: TensorP, offset: int, size: int) -> np.ndarray | None:
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(data_ptr(t) + offset))
 
 
+def host_flat(t: TensorP) -> np.ndarray | None:
+    """A 1-D view of a dense, scalar-typed host tensor's elements (what ``to_numpy(t).reshape(-1)`` gives such a
+    tensor, from one read of its struct); None for a tensor without elements or data, or in a device buffer.  Any
+    other tensor (quantized, no numpy dtype, strided) is left to :func:`to_numpy`."""
+    c = _c(t)
+    tt, ne_, nb_, buf, data = c.type, c.ne[:], c.nb[:], c.buffer, c.data
+    n = ne_[0] * ne_[1] * ne_[2] * ne_[3]
+    if not n or not data or (buf and not _F["ggml_backend_buffer_is_host"](buf)):
+        return None
+    dtype = _NP_DTYPES.get(_BY_VALUE.get(tt))
+    if dtype is None or nb_[0] != dtype.itemsize or nb_[1] != nb_[0] * ne_[0] or nb_[2] != nb_[1] * ne_[1] \
+            or nb_[3] != nb_[2] * ne_[2]:
+        return to_numpy(t).reshape(-1)
+    return np.ndarray((n,), dtype, buffer=(ctypes.c_uint8 * (n * dtype.itemsize)).from_address(data))
+
+
 _PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
 _PyBytes_FromStringAndSize.restype = ctypes.py_object
 _PyBytes_FromStringAndSize.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
@@ -275,13 +295,15 @@ def set_tensor(t: TensorP, array: np.ndarray) -> None:
 _NEW_TENSOR = ("ggml_new_tensor_1d", "ggml_new_tensor_2d", "ggml_new_tensor_3d", "ggml_new_tensor_4d")
 
 
+_TENSOR_SIZE = ctypes.sizeof(TensorP._type_)                              # sizeof(struct ggml_tensor)
+_OBJECT_SIZE = _F["ggml_tensor_overhead"]() - _TENSOR_SIZE                # ggml's object header (ggml_tensor_overhead)
+
+
 def _context_room(ctx: int, type_: GGMLType, ne_: tuple[int, ...]) -> None:
     # ggml_new_tensor aborts the process when the context is full; check first (ggml.c: ggml_new_object)
-    overhead = _F["ggml_tensor_overhead"]()
-    object_size = overhead - ctypes.sizeof(TensorP._type_)
-    data = 0 if _F["ggml_get_no_alloc"](ctx) else row_size(type_, ne_[0]) * int(np.prod(ne_[1:], dtype=np.int64))
-    tensor_and_data = ctypes.sizeof(TensorP._type_) + data
-    needed = object_size + (tensor_and_data + GGML_MEM_ALIGN - 1) // GGML_MEM_ALIGN * GGML_MEM_ALIGN
+    data = 0 if _F["ggml_get_no_alloc"](ctx) else row_size(type_, ne_[0]) * math.prod(ne_[1:])
+    tensor_and_data = _TENSOR_SIZE + data
+    needed = _OBJECT_SIZE + (tensor_and_data + GGML_MEM_ALIGN - 1) // GGML_MEM_ALIGN * GGML_MEM_ALIGN
     free = _F["ggml_get_mem_size"](ctx) - _F["ggml_used_mem"](ctx)
     if needed > free:
         raise MemoryError(f"ggml context has {free} bytes free; a {type_name(type_)} tensor of ne {ne_} needs "
@@ -292,8 +314,8 @@ def new_tensor(ctx: int, type_: str | int, ne_: Sequence[int], name_: str | None
     """A new tensor in context ctx (a ggml_context pointer or a Context) with ne_ = (ne0[, ne1[, ne2[, ne3]]])."""
     ctx = getattr(ctx, "ptr", ctx)
     tt = parse_type(type_)
-    dims = tuple(int(d) for d in ne_)
-    if not 1 <= len(dims) <= GGML_MAX_DIMS or any(d < 0 for d in dims):
+    dims = tuple(map(int, ne_))
+    if not 1 <= len(dims) <= GGML_MAX_DIMS or min(dims) < 0:
         raise ValueError(f"ne {dims}: need 1..{GGML_MAX_DIMS} dimensions, each >= 0")
     row_size(tt, dims[0])  # ne0 must be a whole number of blocks
     _context_room(ctx, tt, dims)

@@ -58,6 +58,12 @@ class DeviceType(IntEnum):
 
 
 _BY_NAME: dict[str, GGMLType] = {t.name.lower(): t for t in GGMLType}
+# per usable type, read once from the library: the member, its block size and its bytes per block (graph building
+# asks for these dozens of times; an enum call or a C call each time cost more than the lookups)
+_BY_VALUE: dict[int, GGMLType] = {int(t): t for t in GGMLType}
+_BLCK: dict[int, int] = {int(t): _F["ggml_blck_size"](t) for t in GGMLType}
+_TSIZE: dict[int, int] = {int(t): _F["ggml_type_size"](t) for t in GGMLType}
+_QUANTIZED: dict[int, bool] = {int(t): bool(_F["ggml_is_quantized"](t)) for t in GGMLType}
 
 
 def type_names() -> list[str]:
@@ -72,6 +78,10 @@ def type_name(t: int) -> str:
 
 def parse_type(t: str | int) -> GGMLType:
     """A GGMLType from a name (case-insensitive: "f16", "Q8_0", "q4_k") or an enum value."""
+    if type(t) is int or type(t) is GGMLType:  # (the common case: one lookup)
+        found = _BY_VALUE.get(t)
+        if found is not None:
+            return found
     if isinstance(t, str):
         found = _BY_NAME.get(t.strip().lower())
         if found is None:
@@ -86,26 +96,26 @@ def parse_type(t: str | int) -> GGMLType:
 
 def type_size(t: str | int) -> int:
     """Bytes per block of type t (ggml_type_size): 4 for f32, 34 for q8_0."""
-    return _F["ggml_type_size"](parse_type(t))
+    return _TSIZE[parse_type(t)]
 
 
 def blck_size(t: str | int) -> int:
     """Elements per block of type t (ggml_blck_size): 1 for f32, 32 for q8_0."""
-    return _F["ggml_blck_size"](parse_type(t))
+    return _BLCK[parse_type(t)]
 
 
 def is_quantized(t: str | int) -> bool:
-    return bool(_F["ggml_is_quantized"](parse_type(t)))
+    return _QUANTIZED[parse_type(t)]
 
 
 def row_size(t: str | int, n: int) -> int:
     """Bytes of n elements of type t (ggml_row_size); n must be a multiple of the block size."""
     tt = parse_type(t)
-    blck = blck_size(tt)
+    blck = _BLCK[tt]
     if n < 0 or n % blck:
         raise ValueError(f"row of {n} elements of type {type_name(tt)}: must be >= 0 and a multiple of the "
                          f"block size {blck}")
-    return _F["ggml_row_size"](tt, n)
+    return _TSIZE[tt] * n // blck  # (ggml_row_size's arithmetic)
 
 
 def op_name(op: int) -> str:

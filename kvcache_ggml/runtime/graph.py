@@ -80,9 +80,7 @@ class DecoderGraph:
 
 
 def _host_view(t: Any) -> np.ndarray | None:
-    if t is not None and G.nelements(t) and G.data_ptr(t) and G.is_host(t):
-        return G.to_numpy(t).reshape(-1)
-    return None
+    return None if t is None else G.host_flat(t)
 
 
 def graph_capacity(n_layer: int) -> int:
@@ -98,8 +96,17 @@ def graph_key(mctx: Any, ubatch: Any, n_outputs: int, kv_unified: bool) -> Graph
 
 def _cb(t: Any, name: str, il: int = -1) -> Any:
     """Name a node as llama.cpp's graph callback does (``name-il`` in a layer), so traces can be compared."""
-    G.set_name(t, f"{name}-{il}" if il >= 0 else name)
+    raw = _NAMES.get((name, il))
+    if raw is None:  # first use of this name: checked (length) and kept encoded
+        full = f"{name}-{il}" if il >= 0 else name
+        G.set_name(t, full)
+        _NAMES[(name, il)] = full.encode()
+    else:
+        G.ggml_set_name(t, raw)
     return t
+
+
+_NAMES: dict[tuple[str, int], bytes] = {}  # (node name, layer) -> the encoded name _cb gave it (a few hundred)
 
 
 def _rms_norm(c: int, x: Any, weight: Any, eps: float, il: int) -> Any:
