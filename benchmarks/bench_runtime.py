@@ -23,6 +23,9 @@ the prompt batch.  Both sides run on the same CPUs (``--no-pin``: any CPU), both
 timings (``no_perf``, llama.cpp's default).  Then our host time per step split into batch splitting, cache
 bookkeeping, memory updates, input setting, graph build and compute (with the logits read back), from two more runs
 of a context that times them (``no_perf=False``), and the C calls and tensor-struct reads per step.
+``--no-graph-reuse`` turns graph reuse off on both sides (ours ``graph_reuse=False``, llama.cpp's
+``LLAMA_GRAPH_REUSE_DISABLE=1``; the mode shows ``/build``): every step builds, allocates and fills its graph, as
+the first step after a prompt does, so the table compares a step that builds its graph.
 
     .venv/bin/python benchmarks/bench_runtime.py [--models tiny,real] [--n-par 1,4,8] [--modes fa-streams,...]
                                                  [--threads 1] [--real-threads 2] [--reps 5] [--json out.json]
@@ -80,6 +83,11 @@ class Config:
     threads: int         # CPU threads (both sides)
     n_ctx: int           # context size, all sequences together
     n_gen: int           # decode steps of one run
+    reuse: bool = True   # graph reuse on (off: every step builds its graph, on both sides)
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.reuse else f"{self.mode}/build"
 
     def params(self) -> dict:
         fa, unified = MODES[self.mode]
@@ -148,10 +156,12 @@ def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: boo
     prompt = np.random.default_rng(0).integers(3, model.n_vocab, a.prompt).astype(np.int32)
     session = None
     if with_llama:
-        session = LlamaSession(str(cfg.path), dict(cfg.params(), n_threads=cfg.threads))
+        session = LlamaSession(str(cfg.path), dict(cfg.params(), n_threads=cfg.threads),
+                               None if cfg.reuse else {"LLAMA_GRAPH_REUSE_DISABLE": "1"})
     op = {"op": "bench", "prompt": prompt.tolist(), "n_gen": cfg.n_gen, "n_par": cfg.n_par, "reps": 1}
     try:
-        with Context(model, n_threads=cfg.threads, n_threads_batch=cfg.threads, **cfg.params()) as ctx:
+        with Context(model, n_threads=cfg.threads, n_threads_batch=cfg.threads, graph_reuse=cfg.reuse,
+                     **cfg.params()) as ctx:
             for _ in range(a.reps):
                 our_rep(ctx, prompt, cfg, res)
                 if session is not None:
@@ -166,7 +176,7 @@ def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: boo
         # the phase split from a context that times them (no_perf off: a few clock reads per step more than the
         # timed runs above, which run as llama.cpp's context does, without them)
         with Context(model, n_threads=cfg.threads, n_threads_batch=cfg.threads, no_perf=False,
-                     **cfg.params()) as ctx:
+                     graph_reuse=cfg.reuse, **cfg.params()) as ctx:
             scratch = Result()
             for _ in range(2):
                 our_rep(ctx, prompt, cfg, scratch)
@@ -186,7 +196,7 @@ def print_tables(rows: list[tuple[Config, Result]]) -> None:
     for cfg, r in rows:
         n_tok = cfg.n_par * cfg.n_gen
         ll = r.llama or {}
-        print(f"{cfg.model:>5} {cfg.n_par:>4} {cfg.mode:>13} {cfg.threads:>3} {n_tok / r.gen_s:11.0f} "
+        print(f"{cfg.model:>5} {cfg.n_par:>4} {cfg.label:>13} {cfg.threads:>3} {n_tok / r.gen_s:11.0f} "
               f"{(n_tok / ll['gen_s']) if ll else 0:11.0f} {_ratio(r.gen_s, ll.get('gen_s'))} "
               f"{_ratio(r.decode_s, ll.get('decode_s'))} {_ratio(r.cpu_s, ll.get('cpu_s'))} "
               f"{_ratio(r.prompt_s, ll.get('prompt_s'))}")
@@ -196,7 +206,7 @@ def print_tables(rows: list[tuple[Config, Result]]) -> None:
     for cfg, r in rows:
         sp = r.split
         vals = [sp[c] / cfg.n_gen * 1e6 for c in PHASES]
-        print(f"{cfg.model + ' ' + str(cfg.n_par) + ' ' + cfg.mode:>24} " + " ".join(f"{v:11.1f}" for v in vals)
+        print(f"{cfg.model + ' ' + str(cfg.n_par) + ' ' + cfg.label:>24} " + " ".join(f"{v:11.1f}" for v in vals)
               + f" {sum(vals):9.1f} {sp['n_graph_reused']:>4}/{sp['n_ubatch']:<3} {r.calls:6.1f} {r.reads:6.1f}")
 
 
@@ -226,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fresh sessions of each side per configuration (a process's speed varies from one to the next)")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave both sides free to run on any CPU (by default they share the same THREADS CPUs)")
+    ap.add_argument("--no-graph-reuse", action="store_true",
+                    help="every step builds its graph on both sides (ours: graph_reuse=False; llama.cpp: "
+                         "LLAMA_GRAPH_REUSE_DISABLE=1): the cost of a step that builds its graph, side by side")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args(argv)
     G.set_log_level(3)  # warnings and errors only, as llama.cpp's side (not CPU_REPACK's line per tensor)
@@ -240,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             with Model(path) as m:
                 for n_par in (int(x) for x in a.n_par.split(",")):
                     for mode in a.modes.split(","):
-                        cfg = Config(name, path, n_par, mode, threads, max(1024, 256 * n_par), n_gen)
+                        cfg = Config(name, path, n_par, mode, threads, max(1024, 256 * n_par), n_gen,
+                                     not a.no_graph_reuse)
                         res = Result()
                         for _ in range(a.sessions):
                             run_config(m, cfg, a, why is None, res)
@@ -250,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"(llama.cpp not run: {why})")
     if a.json:
-        a.json.write_text(json.dumps([{"model": c.model, "n_par": c.n_par, "mode": c.mode, "threads": c.threads,
+        a.json.write_text(json.dumps([{"model": c.model, "n_par": c.n_par, "mode": c.mode, "reuse": c.reuse,
+                                       "threads": c.threads,
                                        "ours": {"prompt_s": r.prompt_s, "gen_s": r.gen_s, "decode_s": r.decode_s,
                                                 "cpu_s": r.cpu_s, "split": r.split, "calls": r.calls,
                                                 "reads": r.reads},

@@ -65,12 +65,14 @@ class LlamaSession:
     """A llama.cpp context in a runner subprocess, answering one op at a time: ``with LlamaSession(model, params)
     as ls: ls.op({"op": "bench", ...})``.  RuntimeError (with the runner's stderr) if the process dies."""
 
-    def __init__(self, model: str, params: dict) -> None:
+    def __init__(self, model: str, params: dict, env: dict[str, str] | None = None) -> None:
+        """``env``: variables added to the runner's environment (``LLAMA_GRAPH_REUSE_DISABLE``, ...)."""
         why = llama_available()
         if why:
             raise RuntimeError(why)
         self._p = subprocess.Popen([str(ORACLE_PY), str(Path(__file__).resolve()), "--session"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=None if env is None else {**os.environ, **env})
         self._send({"model": model, "params": params})
 
     def _send(self, obj: dict) -> None:
