@@ -110,7 +110,7 @@ def is_quantized(t: str | int) -> bool:
 
 def row_size(t: str | int, n: int) -> int:
     """Bytes of n elements of type t (ggml_row_size); n must be a multiple of the block size."""
-    tt = parse_type(t)
+    tt = t if type(t) is GGMLType else parse_type(t)  # (a member, as graph building passes: no call)
     blck = _BLCK[tt]
     if n < 0 or n % blck:
         raise ValueError(f"row of {n} elements of type {type_name(tt)}: must be >= 0 and a multiple of the "

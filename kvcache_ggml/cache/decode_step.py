@@ -166,12 +166,11 @@ class CacheStep:
         for j in range(n):
             k_m[j] = cells[j] + strms[j] * size
         if inputs.v_trans:  # one index per V element: element j of a cell at j*kv_size, streams kv_size*n_embd apart
-            elem = inputs._v_elem_offs
-            stride = size * elem.shape[0]
+            stride = inputs._v_stream_stride
             base_m = self._v_base_m
             for j in range(n):
                 base_m[j, 0] = cells[j] + strms[j] * stride
-            np.add(self._v_rows[3], elem, self._v_rows[2])
+            np.add(self._v_rows[3], inputs._v_elem_offs, self._v_rows[2])
         else:
             v_idxs[...] = k_idxs
         if inputs.mask_rows.write(mask, seqs, pos, causal):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 from .. import _ggml as G
 from ..cparams import CParams, layer_rope_freq
 from ..hparams import HParams, RopeType
-from .tensors import KVTensors, _ctx_ptr, _row_size
+from .tensors import KVTensors, _ctx_ptr
 
 __all__ = ["KShift", "ShiftGraph", "UpdateContext"]
 
@@ -143,7 +143,7 @@ class KShift:
             tk = G.ttype(layer.k)
             freq_base, freq_scale, factors = self.rope_params(cparams, il)
             k = G.ggml_view_3d(ctx.ptr, layer.k, hp.n_embd_head_k, hp.n_head_kv(il), rows,
-                               _row_size(tk, hp.n_embd_head_k), _row_size(tk, hp.n_embd_k_gqa(il)), 0)
+                               G.row_size(tk, hp.n_embd_head_k), G.row_size(tk, hp.n_embd_k_gqa(il)), 0)
             # k: [n_embd_head_k, n_head_kv, kv_size*n_stream]
             graph.expand(self.build_rope_shift(cparams, ctx, k, k_shift, factors, freq_base, freq_scale))
         return ShiftGraph(graph, k_shift)

@@ -29,7 +29,6 @@ log = logging.getLogger("kvcache_ggml.cache")
 
 _MiB = 1024.0 * 1024.0
 _I32, _I64, _F32 = G.GGMLType.I32, G.GGMLType.I64, G.GGMLType.F32
-_BLOCKS = {t: (G.type_size(t), G.blck_size(t)) for t in G.GGMLType}  # type -> (bytes per block, elements)
 
 
 @dataclass(slots=True)
@@ -214,9 +213,9 @@ class KVTensors:
         hp, tk = self.hparams, G.ttype(k)
         kv_size, n_embd_k_gqa = self.kv_size, hp.n_embd_k_gqa(il)
         ns = self._n_stream_of(sinfo, n_kv)
-        stream = _row_size(tk, n_embd_k_gqa * kv_size)
+        stream = G.row_size(tk, n_embd_k_gqa * kv_size)
         return G.ggml_view_4d(_ctx_ptr(ctx), k, hp.n_embd_head_k, hp.n_head_kv(il), n_kv, ns,
-                              _row_size(tk, hp.n_embd_head_k), _row_size(tk, n_embd_k_gqa), stream,
+                              G.row_size(tk, hp.n_embd_head_k), G.row_size(tk, n_embd_k_gqa), stream,
                               stream * sinfo.s0)
 
     def get_v(self, ctx: Any, il: int, n_kv: int, sinfo: SlotInfo) -> Any:
@@ -230,13 +229,13 @@ class KVTensors:
         kv_size, n_embd_v_gqa = self.kv_size, G.ne(v)[0]
         assert n_embd_v_gqa >= hp.n_embd_v_gqa(il)  # [TAG_V_CACHE_VARIABLE] transposed: the widest layer's
         ns = self._n_stream_of(sinfo, n_kv)
-        stream = _row_size(tv, n_embd_v_gqa * kv_size)
+        stream = G.row_size(tv, n_embd_v_gqa * kv_size)
         if not self.v_trans:
             return G.ggml_view_4d(_ctx_ptr(ctx), v, hp.n_embd_head_v, hp.n_head_kv(il), n_kv, ns,
-                                  _row_size(tv, hp.n_embd_head_v), _row_size(tv, n_embd_v_gqa), stream,
+                                  G.row_size(tv, hp.n_embd_head_v), G.row_size(tv, n_embd_v_gqa), stream,
                                   stream * sinfo.s0)
         return G.ggml_view_4d(_ctx_ptr(ctx), v, n_kv, hp.n_head_kv(il), hp.n_embd_head_v, ns,
-                              _row_size(tv, kv_size * hp.n_embd_head_v), _row_size(tv, kv_size), stream,
+                              G.row_size(tv, kv_size * hp.n_embd_head_v), G.row_size(tv, kv_size), stream,
                               stream * sinfo.s0)
 
     # ------------------------------------------------------------------ stores into the cache
@@ -362,14 +361,6 @@ class KVTensors:
 def _ctx_ptr(ctx: Any) -> int:
     """The ggml_context pointer of a G.Context or of a raw handle."""
     return G.handle(ctx, "a ggml context")
-
-
-def _row_size(tt: int, n: int) -> int:
-    """ggml_row_size from a table of block sizes (a whole number of blocks, else ValueError)."""
-    size, blck = _BLOCKS[tt]
-    if n % blck:
-        raise ValueError(f"{n} elements of type {G.type_name(tt)} are not a whole number of {blck}-element blocks")
-    return size * n // blck
 
 
 def _check_rows_source(what: str, cur: Any, ne: tuple, nb: tuple, width: int, il: int,
