@@ -294,6 +294,34 @@ def test_sched_get_tensor_backend_returns_the_backend():
         np.testing.assert_array_equal(G.to_numpy(b, copy=True), [0, 2, 4, 6])
 
 
+def test_tensor_and_graph_pointers_cross_as_ints():
+    # the table declares struct ggml_tensor * / struct ggml_cgraph * as void *: no ctypes pointer objects
+    for name, fn in G.FUNCTIONS.items():
+        for t in [fn.restype, *fn.argtypes]:
+            assert t not in (G.TensorP, G.CgraphP), f"{name} still declares {t}"
+    assert G.FUNCTIONS["ggml_backend_sched_set_eval_callback"].argtypes[1] is G.EvalCallback
+    with G.Backend.cpu() as cpu, G.Context(1 << 20, no_alloc=True) as ctx, G.Sched([cpu], 64) as sched:
+        a = ctx.new_tensor("f32", (4, 2), "a")
+        assert type(a) is int and G.addr(a) == a
+        assert ctypes.addressof(G.ggml_tensor.from_address(a)) == a and G.name(a) == "a"
+        assert G.FUNCTIONS["ggml_get_tensor"](ctx.ptr, b"a") == a
+        assert G.FUNCTIONS["ggml_get_tensor"](ctx.ptr, b"missing") is None and G.addr(None) == 0
+        v = G.ggml_view_1d(ctx.ptr, a, 3, 4)
+        assert G.view_src(v) == a and G.src(v, 0) == a and G.src(v, 1) is None and G.view_src(a) is None
+        b = G.ggml_scale(ctx.ptr, a, 3.0)
+        graph = G.Graph(ctx, 64)
+        graph.expand(b)
+        assert type(graph.ptr) is int and graph.nodes() == [b]
+        assert list(ctx.tensors()) == [a, v, b]
+        seen = []
+        sched.set_eval_callback(lambda t, ask: seen.append((t, ask)) or True)
+        sched.alloc_graph(graph)
+        G.set_tensor(a, np.arange(8, dtype=np.float32).reshape(2, 4))
+        sched.compute(graph)
+        assert (b, True) in seen and (b, False) in seen and all(type(t) is int for t, _ in seen)
+        np.testing.assert_array_equal(G.to_numpy(b, copy=True), 3 * np.arange(8).reshape(2, 4))
+
+
 # ---- structs and enums against the C compiler and headers ---------------------------------------------------
 
 C_PROBE = r"""

@@ -122,7 +122,7 @@ def test_cpy_k_ops(ctx, n_stream):
         k_cur = G.new_tensor(ctx, "f32", (E_HEAD, h, n_tokens))
         k_idxs = kv.build_input_k_idxs(ctx, SimpleNamespace(n_tokens=n_tokens))
         assert G.ttype(k_idxs) == G.GGMLType.I64 and G.ne(k_idxs) == (n_tokens, 1, 1, 1)
-        assert k_idxs.contents.flags & 1  # GGML_TENSOR_FLAG_INPUT
+        assert G.ggml_tensor.from_address(k_idxs).flags & 1  # GGML_TENSOR_FLAG_INPUT
         t = kv.cpy_k(ctx, k_cur, k_idxs, il, None)
         k = kv.tensors.layer(il).k
         assert G.op(t) == Op.SET_ROWS

@@ -287,7 +287,7 @@ def test_no_rope_model_only_clears_the_shift():
 # ---------------------------------------------------------------------------------------------- graph structure
 
 def op_params(t):
-    p = list(t.contents.op_params[:11])
+    p = list(G.ggml_tensor.from_address(t).op_params[:11])
     floats = np.array(p[5:11], np.int32).view(np.float32).tolist()
     return p[1], p[2], p[4], floats  # n_dims, mode, n_ctx_orig, (base, scale, ext, attn, beta_fast, beta_slow)
 

@@ -7,7 +7,8 @@ Other modules do `from kvcache_ggml import _ggml as G` and then:
 - convert quantized rows to float32 with `G.dequantize(raw, type_)` (ggml's own CPU kernels);
 - own native handles with `G.Context`, `G.BackendBuffer`, `G.Backend`, `G.Sched` (close() / `with`); `G.Graph`.
 
-Handles are ints (contexts, buffers, buffer types, backends, devices) or `G.TensorP` pointers (tensors).
+Handles are ints (contexts, buffers, buffer types, backends, devices, tensors, graphs; None for NULL): the table
+declares every pointer `void *` (`G.Tensor` names the tensors' kind in annotations).
 """
 from ._lib import (DEFINED_IN, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, REDECLARED, REQUIRED, CgraphP,
                    EvalCallback, TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
@@ -16,7 +17,7 @@ from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML
                      GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, DeviceType, GGMLOp, GGMLType,
                      Status, blck_size, cpu_can_use, is_quantized, op_name, parse_type, quantize, row_size, type_name,
                      type_names, type_size)
-from ._tensor import (addr, buffer, data_ptr, from_numpy, get_into, handle, header, header_words, host_bytes,
+from ._tensor import (Tensor, addr, buffer, data_ptr, from_numpy, get_into, handle, header, header_words, host_bytes,
                       host_flat, is_contiguous, is_host, name, nb, nbytes, ne, nelements, new_bytes, new_tensor,
                       np_dtype, np_shape, op, set_buffer, set_name, set_tensor, src, to_numpy, ttype, view_offs,
                       view_src)
@@ -36,7 +37,7 @@ __all__ = sorted(FUNCTIONS) + [
     "GGML_ROPE_TYPE_VISION", "GGML_TYPE_COUNT", "DeviceType", "GGMLOp", "GGMLType", "Status", "blck_size",
     "cpu_can_use", "is_quantized", "op_name", "parse_type", "quantize", "row_size", "type_name", "type_names",
     "type_size",
-    "addr", "buffer", "data_ptr", "from_numpy", "get_into", "handle", "header", "header_words", "host_bytes",
+    "Tensor", "addr", "buffer", "data_ptr", "from_numpy", "get_into", "handle", "header", "header_words", "host_bytes",
     "host_flat", "is_contiguous", "is_host", "name", "nb", "nbytes", "ne", "nelements", "new_bytes", "new_tensor",
     "np_dtype", "np_shape", "op", "set_buffer", "set_name", "set_tensor", "src", "to_numpy", "ttype", "view_offs",
     "view_src",

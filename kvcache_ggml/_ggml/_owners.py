@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ._lib import FUNCTIONS as _F
-from ._lib import CgraphP, EvalCallback, TensorP, ggml_init_params
-from ._tensor import new_tensor
+from ._lib import EvalCallback, ggml_init_params
+from ._tensor import Tensor, new_tensor
 from ._types import GGML_DEFAULT_GRAPH_SIZE, DeviceType, Status, _cstr
 
 TENSOR_ALIGNMENT = 32  # ggml-impl.h: data of CPU buffers made from a pointer must be aligned to this
@@ -112,11 +112,11 @@ class Context(_Owner):
     def used_mem(self) -> int:
         return _F["ggml_used_mem"](self.ptr)
 
-    def new_tensor(self, type_: str | int, ne: tuple[int, ...], name: str | None = None) -> TensorP:
+    def new_tensor(self, type_: str | int, ne: tuple[int, ...], name: str | None = None) -> Tensor:
         """A tensor of ne = (ne0[, ne1[, ne2[, ne3]]]) elements; MemoryError when the pool is too small."""
         return new_tensor(self.ptr, type_, ne, name)
 
-    def tensors(self) -> Iterator[TensorP]:
+    def tensors(self) -> Iterator[Tensor]:
         """The tensors of the context, in creation order (ggml_get_first_tensor / ggml_get_next_tensor)."""
         t = _F["ggml_get_first_tensor"](self.ptr)
         while t:
@@ -311,7 +311,7 @@ class Sched(_Owner):
         self.backends = []
         self._eval_cb = None
 
-    def set_eval_callback(self, fn: "Callable[[TensorP, bool], bool] | None") -> None:
+    def set_eval_callback(self, fn: "Callable[[Tensor, bool], bool] | None") -> None:
         """Observe nodes as they are computed (ggml_backend_sched_set_eval_callback); None removes the observer.
 
         ``fn(t, ask)``: with ask=True, return whether node t should be observed (the scheduler then computes up to
@@ -323,7 +323,7 @@ class Sched(_Owner):
             self._eval_cb = None
             return
 
-        def trampoline(t: TensorP, ask: bool, user_data: int) -> bool:
+        def trampoline(t: Tensor, ask: bool, user_data: int) -> bool:
             try:
                 return bool(fn(t, bool(ask)))
             except BaseException:  # noqa: BLE001 - report and stop, never unwind through C
@@ -347,7 +347,7 @@ class Sched(_Owner):
         if status != Status.SUCCESS:
             raise RuntimeError(f"ggml_backend_sched_graph_compute returned {Status(status).name}")
 
-    def tensor_backend(self, t: TensorP) -> int:
+    def tensor_backend(self, t: Tensor) -> int:
         """The ggml_backend_t the scheduler assigned to t (0 when none)."""
         return _F["ggml_backend_sched_get_tensor_backend"](self.ptr, t) or 0
 
@@ -365,9 +365,9 @@ class Graph:
         if need > room:
             raise MemoryError(f"a graph of {size} nodes needs {need} bytes; the context has {room} free")
         self.ctx = ctx  # keeps the memory alive
-        self.ptr: CgraphP = _F["ggml_new_graph_custom"](ctx.ptr, size, False)
+        self.ptr: int = _F["ggml_new_graph_custom"](ctx.ptr, size, False)
 
-    def expand(self, t: TensorP) -> None:
+    def expand(self, t: Tensor) -> None:
         """ggml_build_forward_expand: add t and everything it depends on."""
         _F["ggml_build_forward_expand"](self.ptr, t)
 
@@ -375,13 +375,13 @@ class Graph:
     def n_nodes(self) -> int:
         return _F["ggml_graph_n_nodes"](self.ptr)
 
-    def node(self, i: int) -> TensorP:
+    def node(self, i: int) -> Tensor:
         n = self.n_nodes
         if not -n <= i < n:
             raise IndexError(f"graph node {i} out of range for {n} nodes")
         return _F["ggml_graph_node"](self.ptr, i)
 
-    def nodes(self) -> list[TensorP]:
+    def nodes(self) -> list[Tensor]:
         return [self.node(i) for i in range(self.n_nodes)]
 
 

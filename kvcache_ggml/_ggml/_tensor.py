@@ -26,10 +26,20 @@ _NP_DTYPES: dict[GGMLType, np.dtype] = {
 _GGML_TYPES: dict[np.dtype, GGMLType] = {d: t for t, d in _NP_DTYPES.items() if t != GGMLType.BF16}
 
 
-def _c(t: TensorP) -> ctypes.Structure:
+Tensor = int  # a `struct ggml_tensor *` as the table passes it: the struct's address (None for NULL)
+
+_struct_at = ggml_tensor.from_address
+
+
+def _c(t: Tensor) -> ctypes.Structure:
     if not t:
         raise ValueError("NULL ggml_tensor pointer")
-    return t.contents
+    return _struct_at(t)
+
+
+def _ptr(p: TensorP) -> Tensor | None:
+    """A `struct ggml_tensor *` field of a struct (a ctypes pointer object) as a tensor handle, None for NULL."""
+    return ctypes.cast(p, ctypes.c_void_p).value
 
 
 def handle(obj: object, what: str) -> int:
@@ -40,22 +50,22 @@ def handle(obj: object, what: str) -> int:
     return ptr
 
 
-def addr(t: TensorP | None) -> int:
-    """Address of the struct ggml_tensor (0 for NULL): compare tensors with it, or key dicts by it."""
-    return ctypes.addressof(t.contents) if t else 0
+def addr(t: Tensor | None) -> int:
+    """Address of the struct ggml_tensor (0 for NULL): the handle itself, 0 for None."""
+    return t or 0
 
 
-def ne(t: TensorP) -> tuple[int, int, int, int]:
+def ne(t: Tensor) -> tuple[int, int, int, int]:
     """Elements per dimension, ggml order (ne0 = row length, ne1, ne2, ne3)."""
     return tuple(_c(t).ne)  # type: ignore[return-value]
 
 
-def nb(t: TensorP) -> tuple[int, int, int, int]:
+def nb(t: Tensor) -> tuple[int, int, int, int]:
     """Strides in bytes, ggml order (nb0 = bytes per block, nb1 = bytes per row, ...)."""
     return tuple(_c(t).nb)  # type: ignore[return-value]
 
 
-def header(t: TensorP) -> tuple[int, tuple[int, ...], tuple[int, ...], int, int]:
+def header(t: Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...], int, int]:
     """(type, ne, nb, buffer, data) of a tensor in one read of its struct -- for per-step hot paths."""
     c = _c(t)
     return c.type, tuple(c.ne[:]), tuple(c.nb[:]), c.buffer or 0, c.data or 0  # [:] is 3x faster than iterating
@@ -64,25 +74,26 @@ def header(t: TensorP) -> tuple[int, tuple[int, ...], tuple[int, ...], int, int]
 _HEADER_WORDS = (ggml_tensor.data.offset + ctypes.sizeof(ctypes.c_void_p) + 7) // 8  # struct start .. data pointer
 
 
-def header_words(t: TensorP) -> np.ndarray:
+def header_words(t: Tensor) -> np.ndarray:
     """int64 [_HEADER_WORDS]: a live view (no copy) of the tensor's struct from its start through its data pointer
     -- type, buffer, ne, nb, op and its parameters, flags, sources, view, data.  While these words stay the same, so
     does all that :func:`header` reads: a per-step check compares them (one numpy call) instead of reading fields.
     The view reads the struct's memory: use it only while the tensor lives, as the pointer ``t`` itself."""
-    return np.ctypeslib.as_array((ctypes.c_int64 * _HEADER_WORDS).from_address(ctypes.addressof(_c(t))))
+    _c(t)  # (refuses NULL)
+    return np.ctypeslib.as_array((ctypes.c_int64 * _HEADER_WORDS).from_address(t))
 
 
-def ttype(t: TensorP) -> GGMLType:
+def ttype(t: Tensor) -> GGMLType:
     v = _c(t).type
     found = _BY_VALUE.get(v)
     return GGMLType(v) if found is None else found  # (the enum call only for a value it does not know: its error)
 
 
-def name(t: TensorP) -> str:
+def name(t: Tensor) -> str:
     return _cstr(_c(t).name)
 
 
-def set_name(t: TensorP, value: str) -> TensorP:
+def set_name(t: Tensor, value: str) -> Tensor:
     """ggml_set_name, refusing names ggml would cut (at most GGML_MAX_NAME - 1 bytes)."""
     raw = value.encode()
     if len(raw) >= GGML_MAX_NAME:
@@ -90,55 +101,53 @@ def set_name(t: TensorP, value: str) -> TensorP:
     return _F["ggml_set_name"](t, raw)
 
 
-def data_ptr(t: TensorP) -> int:
+def data_ptr(t: Tensor) -> int:
     """Address of the tensor's first element (0 when not allocated)."""
     return _c(t).data or 0
 
 
-def buffer(t: TensorP) -> int:
+def buffer(t: Tensor) -> int:
     """The ggml_backend_buffer_t holding the data (0 when none: context memory or not allocated)."""
     return _c(t).buffer or 0
 
 
-def set_buffer(t: TensorP, buf: int) -> None:
+def set_buffer(t: Tensor, buf: int) -> None:
     """Point t at backend buffer buf without data (a dummy buffer, so that a scheduler leaves t alone)."""
     _c(t).buffer = buf
 
 
-def view_offs(t: TensorP) -> int:
+def view_offs(t: Tensor) -> int:
     return _c(t).view_offs
 
 
-def view_src(t: TensorP) -> TensorP | None:
-    p = _c(t).view_src
-    return p if p else None
+def view_src(t: Tensor) -> Tensor | None:
+    return _ptr(_c(t).view_src)
 
 
-def op(t: TensorP) -> GGMLOp:
+def op(t: Tensor) -> GGMLOp:
     return GGMLOp(_c(t).op)
 
 
-def src(t: TensorP, i: int) -> TensorP | None:
+def src(t: Tensor, i: int) -> Tensor | None:
     """Source i of the op that computes t (None when unused)."""
     if not 0 <= i < GGML_MAX_SRC:
         raise ValueError(f"source index {i} out of range [0, {GGML_MAX_SRC})")
-    p = _c(t).src[i]
-    return p if p else None
+    return _ptr(_c(t).src[i])
 
 
-def nbytes(t: TensorP) -> int:
+def nbytes(t: Tensor) -> int:
     return _F["ggml_nbytes"](t)
 
 
-def nelements(t: TensorP) -> int:
+def nelements(t: Tensor) -> int:
     return _F["ggml_nelements"](t)
 
 
-def is_contiguous(t: TensorP) -> bool:
+def is_contiguous(t: Tensor) -> bool:
     return bool(_F["ggml_is_contiguous"](t))
 
 
-def is_host(t: TensorP) -> bool:
+def is_host(t: Tensor) -> bool:
     """True when the data can be read in place by the CPU (host buffer, or context memory)."""
     buf = buffer(t)
     if buf:
@@ -175,7 +184,7 @@ def np_dtype(t: str | int) -> np.dtype:
     return _NP_DTYPES[tt]
 
 
-def _layout(t: TensorP, ndim: int | None) -> tuple[np.dtype, tuple[int, ...], tuple[int, ...], int]:
+def _layout(t: Tensor, ndim: int | None) -> tuple[np.dtype, tuple[int, ...], tuple[int, ...], int]:
     """(dtype, numpy shape, numpy strides, bytes spanned) of t; quantized rows are counted in bytes."""
     tt = ttype(t)
     ne_, nb_ = list(ne(t)), list(nb(t))
@@ -186,7 +195,7 @@ def _layout(t: TensorP, ndim: int | None) -> tuple[np.dtype, tuple[int, ...], tu
     return np_dtype(tt), shape, strides, nbytes(t)
 
 
-def to_numpy(t: TensorP, copy: bool = False, ndim: int | None = None) -> np.ndarray:
+def to_numpy(t: Tensor, copy: bool = False, ndim: int | None = None) -> np.ndarray:
     """The tensor's data as a numpy array of shape np_shape(ne) (strides from nb).
 
     copy=False: a view of host memory (valid while the buffer or context lives); refused for device buffers.
@@ -210,7 +219,7 @@ def to_numpy(t: TensorP, copy: bool = False, ndim: int | None = None) -> np.ndar
     return np.ndarray(shape, dtype, buffer=raw_copy, strides=strides).copy()
 
 
-def get_into(t: TensorP, out: np.ndarray) -> None:
+def get_into(t: Tensor, out: np.ndarray) -> None:
     """Copy the data of contiguous tensor t, from any buffer, into ``out``: a C-contiguous, writable numpy array of
     exactly ``nbytes(t)`` bytes (ggml_backend_tensor_get: one native call, no allocation)."""
     if not is_contiguous(t):
@@ -222,7 +231,7 @@ def get_into(t: TensorP, out: np.ndarray) -> None:
     _F["ggml_backend_tensor_get"](t, out.ctypes.data, 0, n)
 
 
-def host_bytes(t: TensorP, offset: int, size: int) -> np.ndarray | None:
+def host_bytes(t: Tensor, offset: int, size: int) -> np.ndarray | None:
     """Bytes ``[offset, offset + size)`` of a host tensor's data as a writable uint8 view (None for a device
     buffer): no copy, valid while the tensor's buffer lives."""
     if not is_host(t):
@@ -230,7 +239,7 @@ def host_bytes(t: TensorP, offset: int, size: int) -> np.ndarray | None:
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(data_ptr(t) + offset))
 
 
-def host_flat(t: TensorP) -> np.ndarray | None:
+def host_flat(t: Tensor) -> np.ndarray | None:
     """A 1-D view of a dense, scalar-typed host tensor's elements (what ``to_numpy(t).reshape(-1)`` gives such a
     tensor, from one read of its struct); None for a tensor without elements or data, or in a device buffer.  Any
     other tensor (quantized, no numpy dtype, strided) is left to :func:`to_numpy`."""
@@ -264,7 +273,7 @@ def new_bytes(n: int) -> tuple[bytes, np.ndarray]:
     return out, np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
 
 
-def _checked_array(t: TensorP, array: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
+def _checked_array(t: Tensor, array: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
     dtype, shape, _, _ = _layout(t, None)
     a = np.asarray(array)
     if a.dtype != dtype:
@@ -278,7 +287,7 @@ def _checked_array(t: TensorP, array: np.ndarray) -> tuple[np.ndarray, tuple[int
     return a, shape
 
 
-def set_tensor(t: TensorP, array: np.ndarray) -> None:
+def set_tensor(t: Tensor, array: np.ndarray) -> None:
     """Write array (numpy shape np_shape(ne), up to dimensions of 1) into the tensor's data."""
     a, shape = _checked_array(t, array)
     if not data_ptr(t):
@@ -310,7 +319,7 @@ def _context_room(ctx: int, type_: GGMLType, ne_: tuple[int, ...]) -> None:
                           f"{needed}")
 
 
-def new_tensor(ctx: int, type_: str | int, ne_: Sequence[int], name_: str | None = None) -> TensorP:
+def new_tensor(ctx: int, type_: str | int, ne_: Sequence[int], name_: str | None = None) -> Tensor:
     """A new tensor in context ctx (a ggml_context pointer or a Context) with ne_ = (ne0[, ne1[, ne2[, ne3]]])."""
     ctx = getattr(ctx, "ptr", ctx)
     tt = parse_type(type_)
@@ -325,7 +334,7 @@ def new_tensor(ctx: int, type_: str | int, ne_: Sequence[int], name_: str | None
     return t
 
 
-def from_numpy(ctx: int, array: np.ndarray, name_: str | None = None, type_: str | int | None = None) -> TensorP:
+def from_numpy(ctx: int, array: np.ndarray, name_: str | None = None, type_: str | int | None = None) -> Tensor:
     """A new tensor in an allocating context holding a copy of array (ne = reversed array shape)."""
     a = np.asarray(array)
     if type_ is None:

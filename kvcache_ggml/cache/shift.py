@@ -88,7 +88,7 @@ class ShiftGraph:
     """The K-shift graph (the seed's llm_graph_result for it): one rope per kept layer and its input."""
 
     graph: G.Graph                        # in the caller's context
-    k_shift: Any                          # TensorP I32 [kv_size*n_stream]: pending shift of each cell (input)
+    k_shift: Any                          # I32 [kv_size*n_stream]: pending shift of each cell (input)
 
 
 class KShift:

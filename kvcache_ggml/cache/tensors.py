@@ -36,10 +36,10 @@ class KVLayer:
     """The tensors of one kept layer (llama.cpp's ``kv_layer``)."""
 
     il: int                     # model layer index
-    k: Any                      # TensorP [n_embd_k_gqa, kv_size, n_stream]
-    v: Any                      # TensorP [n_embd_v_gqa, kv_size, n_stream]
-    k_stream: list[Any]         # per stream, TensorP view [n_embd_k_gqa, kv_size]
-    v_stream: list[Any]         # per stream, TensorP view [n_embd_v_gqa, kv_size]
+    k: Any                      # tensor [n_embd_k_gqa, kv_size, n_stream]
+    v: Any                      # tensor [n_embd_v_gqa, kv_size, n_stream]
+    k_stream: list[Any]         # per stream, view [n_embd_k_gqa, kv_size]
+    v_stream: list[Any]         # per stream, view [n_embd_v_gqa, kv_size]
 
 
 @dataclass(slots=True)

@@ -99,7 +99,7 @@ class Model:
         self._cpu_bufts = ((G.extra_bufts(self._cpu_dev) if use_extra_bufts else [])
                            + [G.ggml_backend_dev_buffer_type(self._cpu_dev)])
         self._placements: list[_Placement] = []
-        self.tensors: dict[str, Any] = {}        # GGUF name -> TensorP in a backend buffer
+        self.tensors: dict[str, Any] = {}        # GGUF name -> tensor handle in a backend buffer
         self.layers: list[LayerWeights] = []
         self.tok_embd: Any = None                # [n_embd, n_vocab]
         self.output_norm: Any = None             # F32 [n_embd]
