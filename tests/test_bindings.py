@@ -466,6 +466,32 @@ def test_tensor_fields_by_hand():
             G.src(v, 10)
 
 
+def test_node_namer_writes_what_ggml_set_name_writes():
+    with G.Context(1 << 16, no_alloc=True) as ctx, G.Context(1 << 16, no_alloc=True) as other:
+        cb = ctx.node_namer()
+        a, b, c = (ctx.new_tensor("f32", (4,)) for _ in range(3))
+        for t in (a, b, c):  # a long name first: both ways leave its tail after the new name's NUL
+            G.ggml_set_name(t, b"x" * 40)
+        G.ggml_set_name(a, b"Qcur-11")
+        G.ggml_set_name(c, b"result_norm")
+        assert cb(b, "Qcur", 11) == b
+        field = lambda t: ctypes.string_at(t + G.ggml_tensor.name.offset, G.GGML_MAX_NAME)  # noqa: E731 (char[64])
+        assert field(a) == field(b) == b"Qcur-11\0" + b"x" * 32 + b"\0" * 24
+        cb(a, "result_norm")  # no layer: the name alone
+        assert field(a) == field(c) and G.name(a) == "result_norm" and G.name(b) == "Qcur-11"
+        cb(b, "n" * (G.GGML_MAX_NAME - 4), 10)
+        assert G.name(b) == "n" * (G.GGML_MAX_NAME - 4) + "-10"
+        with pytest.raises(ValueError, match="ggml keeps at most 63"):
+            cb(b, "n" * (G.GGML_MAX_NAME - 3), 10)
+        assert G.name(b) == "n" * (G.GGML_MAX_NAME - 4) + "-10"
+        with pytest.raises(ValueError, match="not in this context's pool"):
+            cb(other.new_tensor("f32", (4,)), "c")
+        with pytest.raises(ValueError, match="not in this context.s pool"):  # past the pool end
+            cb(ctx.ptr + ctx.mem_size - 8 - G.ggml_tensor.name.offset, "abcdefghijklmnop")
+    with pytest.raises(ValueError, match="released"):
+        cb(a, "a")
+
+
 def test_host_flat_is_a_flat_live_view():
     """host_flat: the elements of a dense host tensor in memory order, written through; None without elements or
     data; quantized and strided tensors as to_numpy gives them, flattened."""

@@ -54,7 +54,8 @@ LIBRARIES: dict[str, ctypes.CDLL] = _load_libraries()  # "ggml-base" -> CDLL, ..
 REQUIRED: tuple[str, ...] = (
     # ggml.h: context, tensors, ops, graphs
     "ggml_version", "ggml_commit", "ggml_time_init", "ggml_time_us",
-    "ggml_init", "ggml_free", "ggml_reset", "ggml_used_mem", "ggml_get_mem_size", "ggml_get_no_alloc",
+    "ggml_init", "ggml_free", "ggml_reset", "ggml_used_mem", "ggml_get_mem_size", "ggml_get_mem_buffer",
+    "ggml_get_no_alloc",
     "ggml_set_no_alloc", "ggml_tensor_overhead", "ggml_graph_overhead", "ggml_graph_overhead_custom",
     "ggml_new_tensor_1d", "ggml_new_tensor_2d", "ggml_new_tensor_3d", "ggml_new_tensor_4d", "ggml_dup_tensor",
     "ggml_view_tensor", "ggml_view_1d", "ggml_view_2d", "ggml_view_3d", "ggml_view_4d",

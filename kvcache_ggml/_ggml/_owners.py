@@ -14,7 +14,8 @@ import numpy as np
 from ._lib import FUNCTIONS as _F
 from ._lib import EvalCallback, ggml_init_params
 from ._tensor import Tensor, new_tensor
-from ._types import GGML_DEFAULT_GRAPH_SIZE, DeviceType, Status, _cstr
+from ._lib import ggml_tensor
+from ._types import GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_NAME, DeviceType, Status, _cstr
 
 TENSOR_ALIGNMENT = 32  # ggml-impl.h: data of CPU buffers made from a pointer must be aligned to this
 _HUGE_PAGE = 2 << 20   # x86-64 / arm64 transparent huge page (PMD) size
@@ -76,16 +77,53 @@ class _Owner:
         return f"<{type(self).__name__} {state}>"
 
 
+_NAME_AT = ggml_tensor.name.offset  # offset of char name[GGML_MAX_NAME] in struct ggml_tensor
+_NODE_NAMES: dict[tuple[str, int], bytes] = {}  # (name, layer) -> encoded node name and NUL (a few hundred)
+
+
+def _node_name(name: str, il: int) -> bytes:
+    full = f"{name}-{il}" if il >= 0 else name
+    raw = full.encode()
+    if len(raw) >= GGML_MAX_NAME:
+        raise ValueError(f"tensor name {full!r} is {len(raw)} bytes; ggml keeps at most {GGML_MAX_NAME - 1}")
+    return raw + b"\0"
+
+
 class Context(_Owner):
     """A ggml_context: tensor metadata (and data unless no_alloc) in one memory pool of mem_size bytes."""
 
-    __slots__ = ()
+    __slots__ = ("_pool",)
     _kind = "ggml context"
 
     def __init__(self, mem_size: int, no_alloc: bool = False) -> None:
         if mem_size <= 0:
             raise ValueError(f"mem_size must be > 0, got {mem_size}")
         super().__init__(_F["ggml_init"](ggml_init_params(mem_size=mem_size, mem_buffer=None, no_alloc=no_alloc)))
+        base = _F["ggml_get_mem_buffer"](self._ptr)
+        # the pool's bytes, as (address of a name field - _NAME_AT, view): released with the context (node_namer)
+        self._pool = (base - _NAME_AT, memoryview((ctypes.c_uint8 * mem_size).from_address(base)).cast("B"))
+
+    def node_namer(self) -> Callable[..., Tensor]:
+        """``cb(t, name, il=-1) -> t``: names tensor t of this context as llama.cpp's graph callback does
+        (``name-il`` in layer il >= 0, else ``name``), what ``ggml_set_name`` writes, without a C call: the name's
+        bytes and a NUL go straight into t's struct in the pool (a graph names a few hundred nodes per build, and a
+        C call costs more than the write).  Names are encoded and checked once per (name, il) for the process.
+        ValueError for a name ggml would cut, a tensor of another context, or once the context is closed."""
+        start, pool = self._pool
+        last = len(pool) - GGML_MAX_NAME  # the last offset a name field can start at
+        names = _NODE_NAMES
+
+        def cb(t: Tensor, name: str, il: int = -1) -> Tensor:
+            raw = names.get((name, il))
+            if raw is None:
+                raw = names[(name, il)] = _node_name(name, il)
+            at = t - start
+            if not 0 <= at <= last:
+                raise ValueError(f"tensor 0x{t:x} is not in this context's pool")
+            pool[at:at + len(raw)] = raw
+            return t
+
+        return cb
 
     @classmethod
     def for_tensors(cls, n_tensors: int, graph_size: int = 0) -> "Context":
@@ -98,6 +136,7 @@ class Context(_Owner):
         return cls(max(size, 1), no_alloc=True)
 
     def _release(self, ptr: int) -> None:
+        self._pool[1].release()  # (a node_namer's write after close: ValueError, not a write into freed memory)
         _F["ggml_free"](ptr)
 
     @property

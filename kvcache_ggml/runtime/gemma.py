@@ -32,7 +32,7 @@ from .._gguf import read_kv
 from ..cache import KVCache, KVCacheParams
 from ..hparams import HParams, RopeType, SwaType
 from ..iswa import KVCacheISWA, KVCacheISWAContext, KVCacheISWAParams
-from .graph import _F16, _F32, DecoderGraph, _attention, _cb, _rms_norm, build_token_inputs, set_inputs
+from .graph import _F16, _F32, DecoderGraph, _attention, _rms_norm, build_token_inputs, set_inputs
 from .model import Model
 
 __all__ = ["GemmaParams", "GemmaModel", "GemmaLayer", "GemmaShape", "ISWAGraphKey", "ISWAGraph", "create_memory",
@@ -247,11 +247,12 @@ def build_gemma(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any
                 flash_attn: bool, fa_cast_f32_kv: bool = False) -> ISWAGraph:
     """Build the Gemma graph of ``ubatch`` (after ``mctx.apply()``) in ``ctx``; ``key`` from :func:`graph_key`."""
     hp, gp = model.hparams, model.gemma
-    c = ctx.ptr
+    c, nm = ctx.ptr, ctx.node_namer()
     eps = hp.f_norm_rms_eps
-    tokens, embd, inp_l, pos, out_ids = build_token_inputs(c, model, key)
+    tokens, embd, inp_l, pos, out_ids = build_token_inputs(c, nm, model, key)
     # Gemma 3 scales token embeddings only (not embeddings given as input)
-    inp_l = _cb(G.ggml_scale(c, inp_l, 1.0 if key.embd_input and gp.arch == "gemma3" else gp.embd_scale), "inp_scaled")
+    scale = 1.0 if key.embd_input and gp.arch == "gemma3" else gp.embd_scale
+    inp_l = nm(G.ggml_scale(c, inp_l, scale), "inp_scaled")
     base, swa = _caches(mctx)
     k_idxs, v_idxs, kq_mask, mask = _cache_inputs(ctx, base, ubatch, key.n_kv, key, "", flash_attn)
     k_idxs_swa = v_idxs_swa = kq_mask_swa = None
@@ -264,24 +265,24 @@ def build_gemma(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: Any
     for il in range(hp.n_layer):
         lw, gl = model.layers[il], model.gemma_layers[il]
         is_swa = swa is not base and hp.is_swa(il)
-        cur = _cb(_rms_norm(c, inp_l, lw.attn_norm, eps, il), "attn_norm", il)  # [n_embd, n_tokens]
+        cur = nm(_rms_norm(c, nm, inp_l, lw.attn_norm, eps, il), "attn_norm", il)  # [n_embd, n_tokens]
         cur = _self_attention(ctx, graph, model, cparams, il, cur, pos, swa if is_swa else base,
                               (k_idxs_swa, v_idxs_swa, mask_swa) if is_swa else (k_idxs, v_idxs, mask),
                               flash_attn, fa_cast_f32_kv)                      # [d*n_head, n_tokens]
-        cur = _cb(G.ggml_mul_mat(c, lw.wo, cur), "attn_out", il)               # [n_embd, n_tokens]
+        cur = nm(G.ggml_mul_mat(c, lw.wo, cur), "attn_out", il)               # [n_embd, n_tokens]
         if il == hp.n_layer - 1:
             cur = G.ggml_get_rows(c, cur, out_ids)                              # [n_embd, n_outputs]
             inp_l = G.ggml_get_rows(c, inp_l, out_ids)                          # [n_embd, n_outputs]
-        cur = _cb(_rms_norm(c, cur, gl.post_attention_norm, eps, il), "attn_post_norm", il)
-        sa_out = _cb(G.ggml_add(c, cur, inp_l), "sa_out", il)                   # [n_embd, n]
-        cur = _cb(_rms_norm(c, sa_out, lw.ffn_norm, eps, il), "ffn_norm", il)
+        cur = nm(_rms_norm(c, nm, cur, gl.post_attention_norm, eps, il), "attn_post_norm", il)
+        sa_out = nm(G.ggml_add(c, cur, inp_l), "sa_out", il)                   # [n_embd, n]
+        cur = nm(_rms_norm(c, nm, sa_out, lw.ffn_norm, eps, il), "ffn_norm", il)
         up = G.ggml_mul_mat(c, lw.ffn_up, cur)                                  # [n_ff, n]
         gate = G.ggml_mul_mat(c, lw.ffn_gate, cur)                              # [n_ff, n]
-        cur = _cb(G.ggml_mul_mat(c, lw.ffn_down, G.ggml_geglu_split(c, gate, up)), "ffn_out", il)  # [n_embd, n]
-        cur = _cb(_rms_norm(c, cur, gl.post_ffw_norm, eps, -1), "ffn_post_norm")
-        inp_l = _cb(G.ggml_add(c, cur, sa_out), "l_out", il)                   # [n_embd, n]
+        cur = nm(G.ggml_mul_mat(c, lw.ffn_down, G.ggml_geglu_split(c, gate, up)), "ffn_out", il)  # [n_embd, n]
+        cur = nm(_rms_norm(c, nm, cur, gl.post_ffw_norm, eps, -1), "ffn_post_norm")
+        inp_l = nm(G.ggml_add(c, cur, sa_out), "l_out", il)                   # [n_embd, n]
 
-    cur = _cb(_rms_norm(c, inp_l, model.output_norm, eps, -1), "result_norm")  # [n_embd, n_outputs]
+    cur = nm(_rms_norm(c, nm, inp_l, model.output_norm, eps, -1), "result_norm")  # [n_embd, n_outputs]
     logits = G.ggml_mul_mat(c, model.output, cur)                               # [n_vocab, n_outputs]
     if gp.final_softcap:
         logits = _softcap(c, logits, gp.final_softcap)
@@ -296,7 +297,7 @@ def _self_attention(ctx: G.Context, graph: G.Graph, model: Any, cparams: Any, il
                     cctx: Any, inputs: tuple[Any, Any, Any], flash_attn: bool, fa_cast_f32_kv: bool) -> Any:
     """Q/K/V of layer il from cur [n_embd, n_tokens], stored into and attended over the cache of context
     ``cctx`` (``inputs``: its k_idxs, v_idxs and attention mask); [d*n_head, n_tokens] before the output matrix."""
-    hp, gp, c = model.hparams, model.gemma, ctx.ptr
+    hp, gp, c, nm = model.hparams, model.gemma, ctx.ptr, ctx.node_namer()
     lw, gl = model.layers[il], model.gemma_layers[il]
     d, n_tokens, eps = hp.n_embd_head_k, G.ne(cur)[1], hp.f_norm_rms_eps
     k_idxs, v_idxs, mask = inputs
@@ -307,11 +308,11 @@ def _self_attention(ctx: G.Context, graph: G.Graph, model: Any, cparams: Any, il
             model.get_rope_freq_scale(cparams, il), cparams.yarn_ext_factor, cparams.yarn_attn_factor,
             cparams.yarn_beta_fast, cparams.yarn_beta_slow)
     if gp.qk_norm:
-        q = _cb(_rms_norm(c, q, gl.attn_q_norm, eps, il), "Qcur_normed", il)  # [d, n_head, n_tokens]
-    q = _cb(G.ggml_rope_ext(c, q, pos, *rope), "Qcur", il)
+        q = nm(_rms_norm(c, nm, q, gl.attn_q_norm, eps, il), "Qcur_normed", il)  # [d, n_head, n_tokens]
+    q = nm(G.ggml_rope_ext(c, q, pos, *rope), "Qcur", il)
     if gp.qk_norm:
-        k = _cb(_rms_norm(c, k, gl.attn_k_norm, eps, il), "Kcur_normed", il)  # [d, n_head_kv, n_tokens]
-    k = _cb(G.ggml_rope_ext(c, k, pos, *rope), "Kcur", il)
+        k = nm(_rms_norm(c, nm, k, gl.attn_k_norm, eps, il), "Kcur_normed", il)  # [d, n_head_kv, n_tokens]
+    k = nm(G.ggml_rope_ext(c, k, pos, *rope), "Kcur", il)
     q = G.ggml_scale(c, q, gp.attention_scale)
     # as build_attn with iSWA inputs: q, k, v first, then the stores into this layer's cache
     graph.expand(q)
@@ -321,8 +322,8 @@ def _self_attention(ctx: G.Context, graph: G.Graph, model: Any, cparams: Any, il
     graph.expand(cctx.cpy_v(ctx, v, v_idxs, il))
     k_all = cctx.get_k(ctx, il)        # [d, n_head_kv, n_kv, ns]
     v_all = cctx.get_v(ctx, il)        # [d, n_head_kv, n_kv, ns] or transposed [n_kv, n_head_kv, d, ns]
-    cur = _attention(c, q, k_all, v_all, mask, 1.0, flash_attn, fa_cast_f32_kv, il, softcap=gp.attn_softcap)
-    graph.expand(_cb(cur, "kqv_out", il))
+    cur = _attention(c, nm, q, k_all, v_all, mask, 1.0, flash_attn, fa_cast_f32_kv, il, softcap=gp.attn_softcap)
+    graph.expand(nm(cur, "kqv_out", il))
     return cur
 
 

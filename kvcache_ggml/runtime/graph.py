@@ -94,24 +94,9 @@ def graph_key(mctx: Any, ubatch: Any, n_outputs: int, kv_unified: bool) -> Graph
                     sinfo.s0, sinfo.s1, ubatch.token is None)
 
 
-def _cb(t: Any, name: str, il: int = -1) -> Any:
-    """Name a node as llama.cpp's graph callback does (``name-il`` in a layer), so traces can be compared."""
-    raw = _NAMES.get((name, il))
-    if raw is None:  # first use of this name: checked (length) and kept encoded
-        full = f"{name}-{il}" if il >= 0 else name
-        G.set_name(t, full)
-        _NAMES[(name, il)] = full.encode()
-    else:
-        G.ggml_set_name(t, raw)
-    return t
-
-
-_NAMES: dict[tuple[str, int], bytes] = {}  # (node name, layer) -> the encoded name _cb gave it (a few hundred)
-
-
-def _rms_norm(c: int, x: Any, weight: Any, eps: float, il: int) -> Any:
+def _rms_norm(c: int, nm: Any, x: Any, weight: Any, eps: float, il: int) -> Any:
     """x [n, m] normalized over ne0 and scaled by weight [n] (build_norm: "norm", then the caller's name)."""
-    return G.ggml_mul(c, _cb(G.ggml_rms_norm(c, x, eps), "norm", il), weight)
+    return G.ggml_mul(c, nm(G.ggml_rms_norm(c, x, eps), "norm", il), weight)
 
 
 def _new_input(c: int, type_: Any, ne: tuple[int, ...], name: str) -> Any:
@@ -120,7 +105,7 @@ def _new_input(c: int, type_: Any, ne: tuple[int, ...], name: str) -> Any:
     return t
 
 
-def build_token_inputs(c: int, model: Any, key: Any) -> tuple[Any, Any, Any, Any, Any]:
+def build_token_inputs(c: int, nm: Any, model: Any, key: Any) -> tuple[Any, Any, Any, Any, Any]:
     """The ubatch's inputs: tokens (or embeddings), positions and output rows; and the embeddings they give.
 
     Returns (tokens I32 [n_tokens] or None, embd F32 [n_embd, n_tokens] or None, the embeddings F32
@@ -133,7 +118,7 @@ def build_token_inputs(c: int, model: Any, key: Any) -> tuple[Any, Any, Any, Any
         inp_l = embd
     else:
         tokens = _new_input(c, _I32, (n_tokens,), "inp_tokens")                # [n_tokens]
-        inp_l = _cb(G.ggml_get_rows(c, model.tok_embd, tokens), "embd")        # [n_embd, n_tokens] F32
+        inp_l = nm(G.ggml_get_rows(c, model.tok_embd, tokens), "embd")        # [n_embd, n_tokens] F32
     pos = _new_input(c, _I32, (n_tokens,), "inp_pos")                          # [n_tokens]
     out_ids = _new_input(c, _I32, (key.n_outputs,), "inp_out_ids")             # [n_outputs]
     return tokens, embd, inp_l, pos, out_ids
@@ -143,12 +128,12 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
                   flash_attn: bool, fa_cast_f32_kv: bool = False) -> DecoderGraph:
     """Build the graph of ``ubatch`` (after ``mctx.apply()``) in ``ctx``; ``key`` from :func:`graph_key`."""
     hp = model.hparams
-    c = ctx.ptr
+    c, nm = ctx.ptr, ctx.node_namer()
     n_tokens = key.n_tokens
     d = hp.n_embd_head_k
     kq_scale = 1.0 / math.sqrt(float(d))
 
-    tokens, embd, inp_l, pos, out_ids = build_token_inputs(c, model, key)
+    tokens, embd, inp_l, pos, out_ids = build_token_inputs(c, nm, model, key)
     k_idxs = mctx.build_input_k_idxs(ctx, ubatch)                              # I64 [n_tokens]
     v_idxs = mctx.build_input_v_idxs(ctx, ubatch)                              # I64 [n_tokens(*n_embd_v_gqa)]
     G.set_name(k_idxs, "inp_k_idxs")
@@ -162,19 +147,19 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
         lw = model.layers[il]
         n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
         inp_sa = inp_l
-        cur = _cb(_rms_norm(c, inp_l, lw.attn_norm, hp.f_norm_rms_eps, il), "attn_norm", il)  # [n_embd, n_tokens]
+        cur = nm(_rms_norm(c, nm, inp_l, lw.attn_norm, hp.f_norm_rms_eps, il), "attn_norm", il)  # [n_embd, n_tok]
 
-        q = _cb(G.ggml_mul_mat(c, lw.wq, cur), "Qcur", il)                       # [n_embd_q, n_tokens]
-        k = _cb(G.ggml_mul_mat(c, lw.wk, cur), "Kcur", il)                       # [n_embd_k_gqa, n_tokens]
-        v = _cb(G.ggml_mul_mat(c, lw.wv, cur), "Vcur", il)                       # [n_embd_v_gqa, n_tokens]
+        q = nm(G.ggml_mul_mat(c, lw.wq, cur), "Qcur", il)                       # [n_embd_q, n_tokens]
+        k = nm(G.ggml_mul_mat(c, lw.wk, cur), "Kcur", il)                       # [n_embd_k_gqa, n_tokens]
+        v = nm(G.ggml_mul_mat(c, lw.wv, cur), "Vcur", il)                       # [n_embd_v_gqa, n_tokens]
         q = G.ggml_reshape_3d(c, q, d, n_head, n_tokens)                         # [d, n_head, n_tokens]
         k = G.ggml_reshape_3d(c, k, d, n_head_kv, n_tokens)                      # [d, n_head_kv, n_tokens]
-        v = _cb(G.ggml_reshape_3d(c, v, d, n_head_kv, n_tokens), "Vcur", il)   # [d, n_head_kv, n_tokens]
+        v = nm(G.ggml_reshape_3d(c, v, d, n_head_kv, n_tokens), "Vcur", il)   # [d, n_head_kv, n_tokens]
         rope = (model.get_rope_factors(cparams, il), hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn,
                 model.get_rope_freq_base(cparams, il), model.get_rope_freq_scale(cparams, il),
                 cparams.yarn_ext_factor, cparams.yarn_attn_factor, cparams.yarn_beta_fast, cparams.yarn_beta_slow)
-        q = _cb(G.ggml_rope_ext(c, q, pos, *rope), "Qcur", il)                  # [d, n_head, n_tokens]
-        k = _cb(G.ggml_rope_ext(c, k, pos, *rope), "Kcur", il)                  # [d, n_head_kv, n_tokens]
+        q = nm(G.ggml_rope_ext(c, q, pos, *rope), "Qcur", il)                  # [d, n_head, n_tokens]
+        k = nm(G.ggml_rope_ext(c, k, pos, *rope), "Kcur", il)                  # [d, n_head_kv, n_tokens]
 
         # as build_attn: q, v, k first (keeps the graph's order), then the stores into the cache
         graph.expand(q)
@@ -184,29 +169,29 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
         graph.expand(mctx.cpy_v(ctx, v, v_idxs, il))
         k_all = mctx.get_k(ctx, il)        # [d, n_head_kv, n_kv, ns]
         v_all = mctx.get_v(ctx, il)        # [d, n_head_kv, n_kv, ns] or transposed [n_kv, n_head_kv, d, ns]
-        cur = _attention(c, q, k_all, v_all, mask, kq_scale, flash_attn, fa_cast_f32_kv, il)  # [d*n_head, n_tok]
-        graph.expand(_cb(cur, "kqv_out", il))
-        cur = _cb(G.ggml_mul_mat(c, lw.wo, cur), "attn_out", il)               # [n_embd, n_tokens]
+        cur = _attention(c, nm, q, k_all, v_all, mask, kq_scale, flash_attn, fa_cast_f32_kv, il)  # [d*n_head, n_tok]
+        graph.expand(nm(cur, "kqv_out", il))
+        cur = nm(G.ggml_mul_mat(c, lw.wo, cur), "attn_out", il)               # [n_embd, n_tokens]
 
         if il == hp.n_layer - 1:
             cur = G.ggml_get_rows(c, cur, out_ids)                              # [n_embd, n_outputs]
             inp_sa = G.ggml_get_rows(c, inp_sa, out_ids)                        # [n_embd, n_outputs]
-        ffn_inp = _cb(G.ggml_add(c, cur, inp_sa), "ffn_inp", il)                # [n_embd, n]
-        cur = _cb(_rms_norm(c, ffn_inp, lw.ffn_norm, hp.f_norm_rms_eps, il), "ffn_norm", il)
-        up = _cb(G.ggml_mul_mat(c, lw.ffn_up, cur), "ffn_up", il)               # [n_ff, n]
-        gate = _cb(G.ggml_mul_mat(c, lw.ffn_gate, cur), "ffn_gate", il)         # [n_ff, n]
-        cur = _cb(G.ggml_swiglu_split(c, gate, up), "ffn_swiglu", il)           # [n_ff, n]
-        cur = _cb(G.ggml_mul_mat(c, lw.ffn_down, cur), "ffn_out", il)           # [n_embd, n]
-        inp_l = _cb(G.ggml_add(c, cur, ffn_inp), "l_out", il)                   # [n_embd, n]
+        ffn_inp = nm(G.ggml_add(c, cur, inp_sa), "ffn_inp", il)                # [n_embd, n]
+        cur = nm(_rms_norm(c, nm, ffn_inp, lw.ffn_norm, hp.f_norm_rms_eps, il), "ffn_norm", il)
+        up = nm(G.ggml_mul_mat(c, lw.ffn_up, cur), "ffn_up", il)               # [n_ff, n]
+        gate = nm(G.ggml_mul_mat(c, lw.ffn_gate, cur), "ffn_gate", il)         # [n_ff, n]
+        cur = nm(G.ggml_swiglu_split(c, gate, up), "ffn_swiglu", il)           # [n_ff, n]
+        cur = nm(G.ggml_mul_mat(c, lw.ffn_down, cur), "ffn_out", il)           # [n_embd, n]
+        inp_l = nm(G.ggml_add(c, cur, ffn_inp), "l_out", il)                   # [n_embd, n]
 
-    cur = _cb(_rms_norm(c, inp_l, model.output_norm, hp.f_norm_rms_eps, -1), "result_norm")  # [n_embd, n_out]
-    logits = _cb(G.ggml_mul_mat(c, model.output, cur), "result_output")         # [n_vocab, n_outputs]
+    cur = nm(_rms_norm(c, nm, inp_l, model.output_norm, hp.f_norm_rms_eps, -1), "result_norm")  # [n_embd, n_out]
+    logits = nm(G.ggml_mul_mat(c, model.output, cur), "result_output")         # [n_vocab, n_outputs]
     G.ggml_set_output(logits)
     graph.expand(logits)
     return DecoderGraph(key, graph, tokens, embd, pos, out_ids, k_idxs, v_idxs, kq_mask, logits)
 
 
-def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash_attn: bool,
+def _attention(c: int, nm: Any, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash_attn: bool,
                fa_cast_f32_kv: bool, il: int, softcap: float = 0.0) -> Any:
     """Multi-head attention of q [d, n_head, n_tokens] over the cache views k and v (build_attn_mha).
 
@@ -231,21 +216,21 @@ def _attention(c: int, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash
             if G.ttype(v) == _F32:
                 v = G.ggml_cast(c, v, _F16)
         cur = G.ggml_flash_attn_ext(c, q, k, v, mask, kq_scale, 0.0, softcap)   # [d, n_head, n_tps, ns]
-        _cb(cur, "__fattn__", il)
+        nm(cur, "__fattn__", il)
         G.ggml_flash_attn_ext_set_prec(cur, _GGML_PREC_F32)
         ne = G.ne(cur)
         return G.ggml_reshape_2d(c, cur, ne[0] * ne[1], ne[2] * ne[3])         # [d*n_head, n_tokens]
 
-    kq = _cb(G.ggml_mul_mat(c, k, q), "kq", il)                                 # [n_kv, n_tps, n_head, ns]
+    kq = nm(G.ggml_mul_mat(c, k, q), "kq", il)                                 # [n_kv, n_tps, n_head, ns]
     G.ggml_mul_mat_set_prec(kq, _GGML_PREC_F32)
     if softcap:  # as llm_graph_context::build_attn_mha: kq/softcap, tanh, *softcap
-        kq = _cb(G.ggml_scale(c, kq, float(np.float32(1.0) / np.float32(softcap))), "kq_scaled_1", il)
-        kq = _cb(G.ggml_tanh(c, kq), "kq_tanh", il)
-        kq = _cb(G.ggml_scale(c, kq, softcap), "kq_scaled_2", il)
-    kq = _cb(G.ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0), "kq_soft_max", il)  # [n_kv, n_tps, n_head, ns]
+        kq = nm(G.ggml_scale(c, kq, float(np.float32(1.0) / np.float32(softcap))), "kq_scaled_1", il)
+        kq = nm(G.ggml_tanh(c, kq), "kq_tanh", il)
+        kq = nm(G.ggml_scale(c, kq, softcap), "kq_scaled_2", il)
+    kq = nm(G.ggml_soft_max_ext(c, kq, mask, kq_scale, 0.0), "kq_soft_max", il)  # [n_kv, n_tps, n_head, ns]
     if not v_trans:
-        v = _cb(G.ggml_cont(c, G.ggml_transpose(c, v)), "v_cont", il)           # [n_kv, d, n_head_kv, ns]
-    kqv = _cb(G.ggml_mul_mat(c, v, kq), "kqv", il)                              # [d, n_tps, n_head, ns]
+        v = nm(G.ggml_cont(c, G.ggml_transpose(c, v)), "v_cont", il)           # [n_kv, d, n_head_kv, ns]
+    kqv = nm(G.ggml_mul_mat(c, v, kq), "kqv", il)                              # [d, n_tps, n_head, ns]
     cur = G.ggml_permute(c, kqv, 0, 2, 1, 3)                                    # [d, n_head, n_tps, ns]
     ne = G.ne(cur)
     return G.ggml_cont_2d(c, cur, ne[0] * ne[1], ne[2] * ne[3])                 # [d*n_head, n_tokens]
