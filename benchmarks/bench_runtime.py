@@ -13,13 +13,17 @@ output), seq_cp to the other sequences, then ``--n-gen`` steps of one token per 
 Our runs and llama.cpp's alternate (llama.cpp in a :class:`LlamaSession` in the oracle's interpreter), best of
 ``--reps`` each, so a busy machine slows both alike; each side does so in ``--sessions`` fresh sessions (our
 Context, llama.cpp's runner process: one process can run the same steps half again as slow as the next one) and the
-best of all runs counts.
+best of all runs counts.  The sessions are rounds over all configurations (session 1 of each, then session 2, ...),
+so that one of this machine's slow spells, which last about a minute, falls on one session of several
+configurations rather than on every session of one.
 
 Columns: tokens/s of the decode steps for both and the ratio (ours / llama.cpp, 1.0 = as fast), including building
 each step's batch and taking its logits into numpy on both sides; ``core``: the same ratio for the decode call alone
 (``Context.decode`` / ``llama_decode``); ``cpu``: the ratio of the steps' CPU time of the calling thread (what a busy
 machine skews least; with more than one thread it leaves out the other threads' share); ``prompt``: the ratio for
-the prompt batch.  Both sides run on the same CPUs (``--no-pin``: any CPU), both contexts without performance
+the prompt batch; ``paired``: the median over all runs of the ratio of one of our runs to the llama.cpp run that
+follows it (a slow spell of the machine slows both runs of a pair, where it can leave one side without a fast
+best).  Both sides run on the same CPUs (``--no-pin``: any CPU), both contexts without performance
 timings (``no_perf``, llama.cpp's default).  Then our host time per step split into batch splitting, cache
 bookkeeping, memory updates, input setting, graph build and compute (with the logits read back), from two more runs
 of a context that times them (``no_perf=False``), and the C calls and tensor-struct reads per step.
@@ -28,13 +32,14 @@ of a context that times them (``no_perf=False``), and the C calls and tensor-str
 the first step after a prompt does, so the table compares a step that builds its graph.
 
     .venv/bin/python benchmarks/bench_runtime.py [--models tiny,real] [--n-par 1,4,8] [--modes fa-streams,...]
-                                                 [--threads 1] [--real-threads 2] [--reps 5] [--json out.json]
+                                                 [--threads 1] [--real-threads 2] [--reps 3] [--sessions 5] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -107,10 +112,12 @@ class Result:
     calls: float = 0.0                      # ours: C calls per step
     reads: float = 0.0                      # ours: tensor struct reads per step
     llama: dict | None = None               # llama.cpp's best prompt_s, gen_s, decode_s (None: not run)
+    pairs: list = field(default_factory=list)  # tokens/s ours / llama.cpp of each run and the llama.cpp run after it
 
 
-def our_rep(ctx: Context, prompt: np.ndarray, cfg: Config, res: Result) -> None:
-    """One run of the runner's ``bench`` op on our runtime; keeps the best figures in ``res``."""
+def our_rep(ctx: Context, prompt: np.ndarray, cfg: Config, res: Result) -> float:
+    """One run of the runner's ``bench`` op on our runtime; keeps the best figures in ``res``; its seconds of the
+    decode steps."""
     n_vocab, n_par, n = ctx.n_vocab, cfg.n_par, len(prompt)
     ctx.memory_clear(True)
     t0 = time.perf_counter()
@@ -135,6 +142,7 @@ def our_rep(ctx: Context, prompt: np.ndarray, cfg: Config, res: Result) -> None:
         res.gen_s, res.decode_s = dt, spent
     if not ctx.cparams.no_perf and (not res.split or dt < res.split["wall"]):
         res.split = dict(ctx.times.as_dict(), wall=dt)
+    return dt
 
 
 def count_calls(ctx: Context, cfg: Config, res: Result, steps: int = 8) -> None:
@@ -163,9 +171,10 @@ def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: boo
         with Context(model, n_threads=cfg.threads, n_threads_batch=cfg.threads, graph_reuse=cfg.reuse,
                      **cfg.params()) as ctx:
             for _ in range(a.reps):
-                our_rep(ctx, prompt, cfg, res)
+                dt = our_rep(ctx, prompt, cfg, res)
                 if session is not None:
                     ans = session.op(op)
+                    res.pairs.append(ans["gen_s"] / dt)
                     best = res.llama or {"prompt_s": float("inf"), "gen_s": float("inf"), "cpu_s": float("inf")}
                     best["prompt_s"] = min(best["prompt_s"], ans["prompt_s"])
                     best["cpu_s"] = min(best["cpu_s"], ans["cpu_s"])
@@ -192,12 +201,13 @@ def _ratio(o: float, t: float | None) -> str:
 
 def print_tables(rows: list[tuple[Config, Result]]) -> None:
     print(f"\n{'model':>5} {'seqs':>4} {'mode':>13} {'thr':>3} {'ours tok/s':>11} {'llama tok/s':>11} "
-          f"{'ratio':>7} {'core':>7} {'cpu':>7} {'prompt':>7}")
+          f"{'ratio':>7} {'paired':>7} {'core':>7} {'cpu':>7} {'prompt':>7}")
     for cfg, r in rows:
         n_tok = cfg.n_par * cfg.n_gen
         ll = r.llama or {}
         print(f"{cfg.model:>5} {cfg.n_par:>4} {cfg.label:>13} {cfg.threads:>3} {n_tok / r.gen_s:11.0f} "
               f"{(n_tok / ll['gen_s']) if ll else 0:11.0f} {_ratio(r.gen_s, ll.get('gen_s'))} "
+              f"{statistics.median(r.pairs) if r.pairs else float('nan'):7.2f} "
               f"{_ratio(r.decode_s, ll.get('decode_s'))} {_ratio(r.cpu_s, ll.get('cpu_s'))} "
               f"{_ratio(r.prompt_s, ll.get('prompt_s'))}")
     print("\nour host time per decode step (us), C calls and tensor struct reads per step:")
@@ -231,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-threads", type=int, default=2, help="threads of the real model")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     ap.add_argument("--n-gen", type=int, default=192, help="decode steps (the real model: a quarter)")
-    ap.add_argument("--reps", type=int, default=5, help="runs of each side per configuration (best kept)")
-    ap.add_argument("--sessions", type=int, default=3,
+    ap.add_argument("--reps", type=int, default=3, help="runs of each side per configuration and session (best kept)")
+    ap.add_argument("--sessions", type=int, default=5,
                     help="fresh sessions of each side per configuration (a process's speed varies from one to the next)")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave both sides free to run on any CPU (by default they share the same THREADS CPUs)")
@@ -250,17 +260,17 @@ def main(argv: list[str] | None = None) -> int:
             threads = a.threads if name == "tiny" else a.real_threads
             n_gen = a.n_gen if name == "tiny" else max(4, a.n_gen // 4)
             pin(threads, a.no_pin)
+            mine = [(Config(name, path, n_par, mode, threads, max(1024, 256 * n_par), n_gen, not a.no_graph_reuse),
+                     Result()) for n_par in (int(x) for x in a.n_par.split(",")) for mode in a.modes.split(",")]
             with Model(path) as m:
-                for n_par in (int(x) for x in a.n_par.split(",")):
-                    for mode in a.modes.split(","):
-                        cfg = Config(name, path, n_par, mode, threads, max(1024, 256 * n_par), n_gen,
-                                     not a.no_graph_reuse)
-                        res = Result()
-                        for _ in range(a.sessions):
-                            run_config(m, cfg, a, why is None, res)
-                        rows.append((cfg, res))
-                        print(f"  done: {name} x{n_par} {mode}", flush=True)
-            print_tables([r for r in rows if r[0].model == name])
+                # sessions outermost: a slow spell of the machine (they last a minute or so) then touches one
+                # session of several configurations instead of every session of one
+                for i in range(a.sessions):
+                    for cfg, res in mine:
+                        run_config(m, cfg, a, why is None, res)
+                    print(f"  done: {name}, session {i + 1} of {a.sessions} of every configuration", flush=True)
+            rows += mine
+            print_tables(mine)
     if why:
         print(f"(llama.cpp not run: {why})")
     if a.json:
@@ -268,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "threads": c.threads,
                                        "ours": {"prompt_s": r.prompt_s, "gen_s": r.gen_s, "decode_s": r.decode_s,
                                                 "cpu_s": r.cpu_s, "split": r.split, "calls": r.calls,
-                                                "reads": r.reads},
+                                                "reads": r.reads, "pairs": r.pairs},
                                        "llama": r.llama} for c, r in rows], indent=1))
     return 0
 

@@ -74,6 +74,9 @@ class LlamaSession:
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                    env=None if env is None else {**os.environ, **env})
         self._send({"model": model, "params": params})
+        # returns once the model and context are loaded: a caller timing its own work meanwhile (a benchmark that
+        # alternates with this session) does not share the CPU with llama.cpp's start-up
+        self.op({"op": "pos_max", "seq": 0})
 
     def _send(self, obj: dict) -> None:
         assert self._p.stdin is not None
