@@ -32,7 +32,8 @@ of a context that times them (``no_perf=False``), and the C calls and tensor-str
 the first step after a prompt does, so the table compares a step that builds its graph.
 
     .venv/bin/python benchmarks/bench_runtime.py [--models tiny,real] [--n-par 1,4,8] [--modes fa-streams,...]
-                                                 [--threads 1] [--real-threads 2] [--reps 3] [--sessions 5] [--json out.json]
+                                                 [--threads 1] [--real-threads 2] [--reps 3] [--sessions 5]
+                                                 [--json out.json]
 """
 from __future__ import annotations
 
@@ -241,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-threads", type=int, default=2, help="threads of the real model")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     ap.add_argument("--n-gen", type=int, default=192, help="decode steps (the real model: a quarter)")
-    ap.add_argument("--reps", type=int, default=3, help="runs of each side per configuration and session (best kept)")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="runs of each side per configuration and session (best kept)")
     ap.add_argument("--sessions", type=int, default=5,
-                    help="fresh sessions of each side per configuration (a process's speed varies from one to the next)")
+                    help="fresh sessions of each side per configuration, in rounds over all configurations (a "
+                         "process's speed varies from one to the next)")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave both sides free to run on any CPU (by default they share the same THREADS CPUs)")
     ap.add_argument("--no-graph-reuse", action="store_true",

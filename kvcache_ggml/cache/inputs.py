@@ -97,9 +97,10 @@ class KVInputs:
         self._v_base0 = np.zeros((), np.int64)
         self._v_base0_m = memoryview(self._v_base0)
         self.mask_rows = MaskRows(book)               # ready kq-mask rows, patched step to step
-        # per input tensor (by the id of its pointer object): a live view of its struct's leading words, their
+        # per input tensor (by the id of its handle, an int object): a live view of its struct's leading words, their
         # bytes when its header was read, the header, its checked data views (shape -> (types, ne, view)), and
-        # the pointer object itself (kept alive: its id stays its own)
+        # the handle object itself (kept alive: its id stays its own; another object of the same address -- a
+        # graph rebuilt in a reset context -- gets an entry of its own, its header read again)
         self._tensors: dict[int, tuple[np.ndarray, bytes, tuple, dict, Any]] = {}
         # the mask rows need no window, ALiBi (nor, per ubatch, 2-D positions): ready rows may serve them
         self._plain = book.swa_type == SwaType.NONE and not hparams.use_alibi
