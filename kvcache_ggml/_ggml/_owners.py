@@ -12,9 +12,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ._lib import FUNCTIONS as _F
-from ._lib import EvalCallback, ggml_init_params
-from ._tensor import Tensor, new_tensor
-from ._lib import ggml_tensor
+from ._lib import EvalCallback, ggml_init_params, ggml_tensor
+from ._tensor import Tensor, encode_name, new_tensor
 from ._types import GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_NAME, DeviceType, Status, _cstr
 
 TENSOR_ALIGNMENT = 32  # ggml-impl.h: data of CPU buffers made from a pointer must be aligned to this
@@ -81,14 +80,6 @@ _NAME_AT = ggml_tensor.name.offset  # offset of char name[GGML_MAX_NAME] in stru
 _NODE_NAMES: dict[tuple[str, int], bytes] = {}  # (name, layer) -> encoded node name and NUL (a few hundred)
 
 
-def _node_name(name: str, il: int) -> bytes:
-    full = f"{name}-{il}" if il >= 0 else name
-    raw = full.encode()
-    if len(raw) >= GGML_MAX_NAME:
-        raise ValueError(f"tensor name {full!r} is {len(raw)} bytes; ggml keeps at most {GGML_MAX_NAME - 1}")
-    return raw + b"\0"
-
-
 class Context(_Owner):
     """A ggml_context: tensor metadata (and data unless no_alloc) in one memory pool of mem_size bytes."""
 
@@ -116,7 +107,7 @@ class Context(_Owner):
         def cb(t: Tensor, name: str, il: int = -1) -> Tensor:
             raw = names.get((name, il))
             if raw is None:
-                raw = names[(name, il)] = _node_name(name, il)
+                raw = names[(name, il)] = encode_name(f"{name}-{il}" if il >= 0 else name) + b"\0"
             at = t - start
             if not 0 <= at <= last:
                 raise ValueError(f"tensor 0x{t:x} is not in this context's pool")

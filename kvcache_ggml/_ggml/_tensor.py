@@ -93,12 +93,17 @@ def name(t: Tensor) -> str:
     return _cstr(_c(t).name)
 
 
-def set_name(t: Tensor, value: str) -> Tensor:
-    """ggml_set_name, refusing names ggml would cut (at most GGML_MAX_NAME - 1 bytes)."""
+def encode_name(value: str) -> bytes:
+    """A tensor name's bytes, refusing names ggml would cut (at most GGML_MAX_NAME - 1 bytes)."""
     raw = value.encode()
     if len(raw) >= GGML_MAX_NAME:
         raise ValueError(f"tensor name {value!r} is {len(raw)} bytes; ggml keeps at most {GGML_MAX_NAME - 1}")
-    return _F["ggml_set_name"](t, raw)
+    return raw
+
+
+def set_name(t: Tensor, value: str) -> Tensor:
+    """ggml_set_name, refusing names ggml would cut (at most GGML_MAX_NAME - 1 bytes)."""
+    return _F["ggml_set_name"](t, encode_name(value))
 
 
 def data_ptr(t: Tensor) -> int:

@@ -76,7 +76,11 @@ class LlamaSession:
         self._send({"model": model, "params": params})
         # returns once the model and context are loaded: a caller timing its own work meanwhile (a benchmark that
         # alternates with this session) does not share the CPU with llama.cpp's start-up
-        self.op({"op": "pos_max", "seq": 0})
+        try:
+            self.op({"op": "pos_max", "seq": 0})
+        except BaseException:  # (a model it could not load: the runner is ended here, not left behind)
+            self.close()
+            raise
 
     def _send(self, obj: dict) -> None:
         assert self._p.stdin is not None
