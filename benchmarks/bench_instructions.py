@@ -6,7 +6,7 @@ decode loop of ``bench_runtime`` (one ``--prompt``-token batch, seq_cp, one toke
 per library by the extra steps: start-up, imports, model loading and the prompt cancel out.  ``libggml-cpu`` is the
 graph compute (the same graph on both sides: see tests/oracle/test_oracle_runtime.py); everything else is host work
 (our Python, numpy, the binding layer; llama.cpp's libllama, libc, and the Python of its runner that fills
-``llama_batch`` and copies the logits out).
+``llama_batch`` and takes a numpy view of the logits, as ours returns one).
 
 Needs valgrind and the oracle's interpreter (tests/README.md); each run takes a minute or so (imports under
 valgrind), so the default is the three configurations of issue 12's figures.

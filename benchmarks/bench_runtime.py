@@ -11,14 +11,17 @@ Each configuration (sequences x unified / per-sequence streams x flash attention
 the same file, threads, context, cache types and batches: one ``--prompt``-token batch in sequence 0 (last token
 output), seq_cp to the other sequences, then ``--n-gen`` steps of one token per sequence (every token an output).
 Our runs and llama.cpp's alternate (llama.cpp in a :class:`LlamaSession` in the oracle's interpreter), best of
-``--reps`` each, so a busy machine slows both alike; each side does so in ``--sessions`` fresh sessions (our
+``--reps`` each, so a busy machine slows both alike: our prompt, llama.cpp's, our steps, llama.cpp's, each turn
+after ``--quiet-ms`` of sleep (a side's OpenMP workers spin for about 10 ms after its last graph; a turn started at
+once would share the two CPUs with them -- the turn after a side's steps loses up to a tenth); each side does so in ``--sessions`` fresh sessions (our
 Context, llama.cpp's runner process: one process can run the same steps half again as slow as the next one) and the
 best of all runs counts.  The sessions are rounds over all configurations (session 1 of each, then session 2, ...),
 so that one of this machine's slow spells, which last about a minute, falls on one session of several
 configurations rather than on every session of one.
 
 Columns: tokens/s of the decode steps for both and the ratio (ours / llama.cpp, 1.0 = as fast), including building
-each step's batch and taking its logits into numpy on both sides; ``core``: the same ratio for the decode call alone
+each step's batch and taking its logits into numpy on both sides (ours: the array ``decode`` returns; llama.cpp's:
+a view of its logits buffer, no copy); ``core``: the same ratio for the decode call alone
 (``Context.decode`` / ``llama_decode``); ``cpu``: the ratio of the steps' CPU time of the calling thread (what a busy
 machine skews least; with more than one thread it leaves out the other threads' share); ``prompt``: the ratio for
 the prompt batch; ``paired``: the median over all runs of the ratio of one of our runs to the llama.cpp run that
@@ -116,34 +119,65 @@ class Result:
     pairs: list = field(default_factory=list)  # tokens/s ours / llama.cpp of each run and the llama.cpp run after it
 
 
-def our_rep(ctx: Context, prompt: np.ndarray, cfg: Config, res: Result) -> float:
-    """One run of the runner's ``bench`` op on our runtime; keeps the best figures in ``res``; its seconds of the
-    decode steps."""
-    n_vocab, n_par, n = ctx.n_vocab, cfg.n_par, len(prompt)
+def our_prompt(ctx: Context, prompt: np.ndarray, cfg: Config, res: Result) -> None:
+    """The runner's ``bench_prompt`` op on our runtime: a clear cache, the prompt in sequence 0 (last token output),
+    copied to every sequence.  Keeps the best prompt time in ``res``."""
     ctx.memory_clear(True)
     t0 = time.perf_counter()
-    ctx.decode(Batch(token=prompt, pos=np.arange(n, dtype=np.int32)))
+    ctx.decode(Batch(token=prompt, pos=np.arange(len(prompt), dtype=np.int32)))
     res.prompt_s = min(res.prompt_s, time.perf_counter() - t0)
-    for s in range(1, n_par):
+    for s in range(1, cfg.n_par):
         ctx.memory_seq_cp(0, s, -1, -1)
-    ctx.times.reset()
+
+
+def our_steps(ctx: Context, n_prompt: int, cfg: Config) -> tuple[float, float, float]:
+    """The runner's ``bench_steps`` op on our runtime: ``n_gen`` steps of one token per sequence, every token an
+    output.  Their wall, decode-call and thread CPU seconds."""
+    n_vocab, n_par = ctx.n_vocab, cfg.n_par
     seqs = np.arange(n_par, dtype=np.int32)
     flags = np.ones(n_par, np.int8)
+    ctx.times.reset()
     spent = 0.0
     t0, c0 = time.perf_counter(), time.thread_time()
     for step in range(cfg.n_gen):
         toks = np.array([(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)], np.int32)
-        b = Batch(token=toks, pos=np.full(n_par, n + step, np.int32), seq_id=seqs, logits=flags)
+        b = Batch(token=toks, pos=np.full(n_par, n_prompt + step, np.int32), seq_id=seqs, logits=flags)
         t1 = time.perf_counter()
         ctx.decode(b)
         spent += time.perf_counter() - t1
-    dt = time.perf_counter() - t0
-    res.cpu_s = min(res.cpu_s, time.thread_time() - c0)
-    if dt < res.gen_s:
-        res.gen_s, res.decode_s = dt, spent
-    if not ctx.cparams.no_perf and (not res.split or dt < res.split["wall"]):
-        res.split = dict(ctx.times.as_dict(), wall=dt)
-    return dt
+    return time.perf_counter() - t0, spent, time.thread_time() - c0
+
+
+def one_run(ctx: Context, session: LlamaSession | None, prompt: np.ndarray, cfg: Config, res: Result,
+            quiet: float) -> None:
+    """One run of each side, in turns: our prompt, llama.cpp's, our steps, llama.cpp's, each after ``quiet``
+    seconds of sleep (the other side's OpenMP workers spin on for about 10 ms after its last graph: started at
+    once, a turn would share the two CPUs with them).  The best figures are kept in ``res``, llama.cpp's steps'
+    time over ours in ``res.pairs``."""
+    time.sleep(quiet)
+    our_prompt(ctx, prompt, cfg, res)
+    theirs: dict = {}
+    if session is not None:
+        time.sleep(quiet)
+        theirs = session.op({"op": "bench_prompt", "prompt": prompt.tolist(), "n_par": cfg.n_par})
+    time.sleep(quiet)
+    wall, spent, cpu = our_steps(ctx, len(prompt), cfg)
+    res.cpu_s = min(res.cpu_s, cpu)
+    if wall < res.gen_s:
+        res.gen_s, res.decode_s = wall, spent
+    if not ctx.cparams.no_perf and (not res.split or wall < res.split["wall"]):
+        res.split = dict(ctx.times.as_dict(), wall=wall)
+    if session is None:
+        return
+    time.sleep(quiet)
+    theirs.update(session.op({"op": "bench_steps", "n_par": cfg.n_par, "n_prompt": len(prompt), "n": cfg.n_gen}))
+    best = res.llama or {"prompt_s": float("inf"), "gen_s": float("inf"), "cpu_s": float("inf")}
+    best["prompt_s"] = min(best["prompt_s"], theirs["prompt_s"])
+    best["cpu_s"] = min(best["cpu_s"], theirs["cpu_s"])
+    if theirs["gen_s"] < best["gen_s"]:
+        best["gen_s"], best["decode_s"] = theirs["gen_s"], theirs["decode_s"]
+    res.llama = best
+    res.pairs.append(theirs["gen_s"] / wall)
 
 
 def count_calls(ctx: Context, cfg: Config, res: Result, steps: int = 8) -> None:
@@ -167,21 +201,11 @@ def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: boo
     if with_llama:
         session = LlamaSession(str(cfg.path), dict(cfg.params(), n_threads=cfg.threads),
                                None if cfg.reuse else {"LLAMA_GRAPH_REUSE_DISABLE": "1"})
-    op = {"op": "bench", "prompt": prompt.tolist(), "n_gen": cfg.n_gen, "n_par": cfg.n_par, "reps": 1}
     try:
         with Context(model, n_threads=cfg.threads, n_threads_batch=cfg.threads, graph_reuse=cfg.reuse,
                      **cfg.params()) as ctx:
             for _ in range(a.reps):
-                dt = our_rep(ctx, prompt, cfg, res)
-                if session is not None:
-                    ans = session.op(op)
-                    res.pairs.append(ans["gen_s"] / dt)
-                    best = res.llama or {"prompt_s": float("inf"), "gen_s": float("inf"), "cpu_s": float("inf")}
-                    best["prompt_s"] = min(best["prompt_s"], ans["prompt_s"])
-                    best["cpu_s"] = min(best["cpu_s"], ans["cpu_s"])
-                    if ans["gen_s"] < best["gen_s"]:
-                        best["gen_s"], best["decode_s"] = ans["gen_s"], ans["decode_s"]
-                    res.llama = best
+                one_run(ctx, session, prompt, cfg, res, a.quiet_ms / 1e3)
             count_calls(ctx, cfg, res)
         # the phase split from a context that times them (no_perf off: a few clock reads per step more than the
         # timed runs above, which run as llama.cpp's context does, without them)
@@ -189,7 +213,7 @@ def run_config(model: Model, cfg: Config, a: argparse.Namespace, with_llama: boo
                      graph_reuse=cfg.reuse, **cfg.params()) as ctx:
             scratch = Result()
             for _ in range(2):
-                our_rep(ctx, prompt, cfg, scratch)
+                one_run(ctx, None, prompt, cfg, scratch, a.quiet_ms / 1e3)
             res.split = scratch.split
     finally:
         if session is not None:
@@ -242,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-threads", type=int, default=2, help="threads of the real model")
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     ap.add_argument("--n-gen", type=int, default=192, help="decode steps (the real model: a quarter)")
+    ap.add_argument("--quiet-ms", type=float, default=30.0,
+                    help="sleep before each timed turn of either side, so that the other side's OpenMP workers, "
+                         "which spin about 10 ms after a graph, have gone quiet (default 30)")
     ap.add_argument("--reps", type=int, default=3,
                     help="runs of each side per configuration and session (best kept)")
     ap.add_argument("--sessions", type=int, default=5,

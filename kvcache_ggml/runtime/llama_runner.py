@@ -192,8 +192,9 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     n_seq_max = max(1, pr.get("n_seq_max", 1))
 
-    def decode(tokens, pos, seqs, flags):
-        """llama_decode of one batch (its time added to decode.spent); (ret, float32 logits of the outputs)."""
+    def decode(tokens, pos, seqs, flags, copy=True):
+        """llama_decode of one batch (its time added to decode.spent); (ret, float32 logits of the outputs: a copy,
+        or with ``copy`` False a view of llama.cpp's logits buffer, as our Context.decode returns its own)."""
         n = len(tokens)
         b = L.llama_batch_init(n, 0, max(n_seq_max, max(len(s) for s in seqs)))
         try:
@@ -210,6 +211,9 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
             decode.spent += time.perf_counter() - t0
         finally:
             L.llama_batch_free(b)
+        if not copy:
+            n_out = sum(1 for f in flags if f)
+            return ret, np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(n_out, n_vocab)) if ret == 0 else None
         rows = []
         if ret == 0:
             for i in range(n):
@@ -235,8 +239,8 @@ def _main() -> int:  # pragma: no cover - runs under the oracle's interpreter
                 ans["graph" if pr.get("graph") else "nodes"] = list(nodes)
         elif kind in _MEMORY_OPS:
             _memory_op(L, ctx, mem, op, ans)
-        elif kind == "bench":
-            ans.update(_bench(L, ctx, mem, decode, op, n_vocab))
+        elif kind in _BENCH_OPS:
+            ans.update(_BENCH_OPS[kind](L, mem, decode, op, n_vocab))
         elif kind == "generate":
             ans.update(_generate(L, model, ctx, decode, op))
         else:
@@ -367,31 +371,51 @@ def _generate(L, model, ctx, decode, op):  # pragma: no cover - oracle side
             "logits": base64.b64encode(b"".join(rows)).decode()}
 
 
-def _bench(L, ctx, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
-    """Prompt: decode ``prompt`` in sequence 0 (last token output).  Generation: copy it to ``n_par`` sequences,
-    then ``n_gen`` steps of one token per sequence, all output.  Best of ``reps`` for each."""
+def _bench_prompt(L, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
+    """A clear cache, then ``prompt`` decoded in sequence 0 (last token output) and copied to ``n_par``
+    sequences; the prompt's seconds."""
+    del n_vocab
     prompt = op["prompt"]
-    n_par, n_gen, reps = op.get("n_par", 1), op["n_gen"], op.get("reps", 3)
-    best_p = best_g = best_d = best_c = float("inf")
-    for _ in range(reps):
-        L.llama_memory_clear(mem, True)
-        t0 = time.perf_counter()
-        ret, _ = decode(prompt, list(range(len(prompt))), [[0]] * len(prompt), [0] * (len(prompt) - 1) + [1])
-        best_p = min(best_p, time.perf_counter() - t0)
+    L.llama_memory_clear(mem, True)
+    t0 = time.perf_counter()
+    ret, _ = decode(prompt, list(range(len(prompt))), [[0]] * len(prompt), [0] * (len(prompt) - 1) + [1],
+                    copy=False)
+    dt = time.perf_counter() - t0
+    assert ret == 0, ret
+    for s in range(1, op.get("n_par", 1)):
+        L.llama_memory_seq_cp(mem, 0, s, -1, -1)
+    return {"prompt_s": dt}
+
+
+def _bench_steps(L, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
+    """``n`` steps after a ``bench_prompt`` of ``n_prompt`` tokens: one token per sequence, all output, the logits
+    taken as a numpy view of llama.cpp's buffer (our decode returns a view of its own).  Their wall, llama_decode
+    and thread CPU seconds."""
+    del L, mem
+    n_par, n = op.get("n_par", 1), op["n_prompt"]
+    t0, d0, c0 = time.perf_counter(), decode.spent, time.thread_time()
+    for step in range(op["n"]):
+        toks = [(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)]
+        ret, _ = decode(toks, [n + step] * n_par, [[s] for s in range(n_par)], [1] * n_par, copy=False)
         assert ret == 0, ret
-        for s in range(1, n_par):
-            L.llama_memory_seq_cp(mem, 0, s, -1, -1)
-        n = len(prompt)
-        t0, d0, c0 = time.perf_counter(), decode.spent, time.thread_time()
-        for step in range(n_gen):
-            toks = [(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)]
-            ret, _ = decode(toks, [n + step] * n_par, [[s] for s in range(n_par)], [1] * n_par)
-            assert ret == 0, ret
-        dt = time.perf_counter() - t0
-        best_c = min(best_c, time.thread_time() - c0)
-        if dt < best_g:
-            best_g, best_d = dt, decode.spent - d0
+    return {"gen_s": time.perf_counter() - t0, "decode_s": decode.spent - d0, "cpu_s": time.thread_time() - c0}
+
+
+def _bench(L, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
+    """Prompt (``bench_prompt``), then ``n_gen`` steps of one token per sequence (``bench_steps``).  Best of
+    ``reps`` for each."""
+    best_p = best_g = best_d = best_c = float("inf")
+    steps = {"n_par": op.get("n_par", 1), "n_prompt": len(op["prompt"]), "n": op["n_gen"]}
+    for _ in range(op.get("reps", 3)):
+        best_p = min(best_p, _bench_prompt(L, mem, decode, op, n_vocab)["prompt_s"])
+        r = _bench_steps(L, mem, decode, steps, n_vocab)
+        best_c = min(best_c, r["cpu_s"])
+        if r["gen_s"] < best_g:
+            best_g, best_d = r["gen_s"], r["decode_s"]
     return {"prompt_s": best_p, "gen_s": best_g, "decode_s": best_d, "cpu_s": best_c}
+
+
+_BENCH_OPS = {"bench": _bench, "bench_prompt": _bench_prompt, "bench_steps": _bench_steps}
 
 
 if __name__ == "__main__":
