@@ -9,8 +9,8 @@
 
 Set-up: creates .venv/, installs the build dependencies, downloads the pinned ggml-python source package into
 vendor/, unpacks it under vendor/ggml/, builds and installs it with the requested ggml backends (CPU always, RPC by
-default), then installs this project editable with its test extra (`test` adds the notebooks extra), and fills .carry/ (see
-below). A stamp file in .venv/ records what was done; a re-run with the same flags does nothing. Standard library
+default), then installs this project editable with its fast and test extras (`test` adds the notebooks extra), compiles
+the graph builders' C calls with cffi (optional: ctypes serves without them), and fills .carry/ (see below). A stamp file in .venv/ records what was done; a re-run with the same flags does nothing. Standard library
 only.
 
 .carry/ (git-ignored) is what scripts/gpu_check.sh installs on a GPU machine with no network: the pinned ggml-python
@@ -54,7 +54,8 @@ SOURCE = VENDOR_GGML / f"ggml_python-{GGML_PYTHON_VERSION}"
 BUILD_DEPS = ("numpy>=1.24", "scikit-build-core>=0.10", "setuptools>=70.1", "typing_extensions>=4.6.3")
 CMAKE_MIN = (3, 21)  # ggml-python's CMakeLists.txt requires 3.21
 # extras of this project each command needs (the notebooks extra runs the notebook tests)
-COMMAND_EXTRAS = {None: ("test", "text"), "test": ("test", "notebooks", "text"), "demo": ("test", "text")}
+COMMAND_EXTRAS = {None: ("fast", "test", "text"), "test": ("fast", "test", "notebooks", "text"),
+                  "demo": ("fast", "test", "text")}
 STAMP_SCHEMA = 1
 GGML_RECIPE = 3  # bump when the way ggml-python is built changes: forces one rebuild (3: GGML_LLAMAFILE=ON)
 COMMANDS = ("test", "demo", "carry", "cmake-args")
@@ -318,6 +319,39 @@ def stage_project(stamp: dict, extras: tuple[str, ...]) -> dict:
     return stamp
 
 
+FASTCALLS_SRC = ROOT / "kvcache_ggml" / "_ggml" / "_fastcalls.py"
+FASTCALLS_TABLE = ROOT / "kvcache_ggml" / "_ggml" / "_lib.py"
+
+
+def fastcalls_key(stamp: dict) -> dict:
+    return {"ggml": stamp.get("ggml"), "generator": file_sha256(FASTCALLS_SRC),
+            "table": file_sha256(FASTCALLS_TABLE)}
+
+
+def fastcalls_present() -> bool:
+    return any(FASTCALLS_SRC.parent.glob("_ops_cffi.*"))
+
+
+def stage_fastcalls(stamp: dict) -> dict:
+    """The compiled wrappers of the graph builders' C calls (cffi's API mode, kvcache_ggml/_ggml/_fastcalls.py).
+    Optional: when they cannot be built (no cffi, compiler or Python headers) the package calls through ctypes; the
+    failure is recorded and not retried until something it depends on changes."""
+    key = fastcalls_key(stamp)
+    done = stamp.get("fastcalls") or {}
+    if done.get("key") == key and (fastcalls_present() or done.get("failed")):
+        return stamp
+    say("compiling the graph builders' C calls with cffi (kvcache_ggml/_ggml/_fastcalls.py)")
+    proc = subprocess.run([str(VENV_PY), "-c", "from kvcache_ggml._ggml._fastcalls import build; print(build())"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    failed = proc.returncode != 0
+    if failed:
+        last = proc.stdout.strip().splitlines()[-1:] or ["no output"]
+        say(f"warning: the compiled calls were not built ({last[0][:200]}); the package calls ggml through ctypes")
+    stamp = {**stamp, "fastcalls": {"key": key, "failed": failed}}
+    write_stamp(stamp)
+    return stamp
+
+
 # ---- the GPU check's payload: .carry/ ---------------------------------------------------------------------------
 
 def carry_plan() -> list[str]:
@@ -546,6 +580,7 @@ def setup(flags: BuildFlags, jobs: int, extras: tuple[str, ...] = COMMAND_EXTRAS
         stamp = stage_ggml(stamp, flags, jobs)
         fetched = stage_sources()
         stamp = stage_project(stamp, extras)
+        stamp = stage_fastcalls(stamp)
         carried = stage_carry(VENV_PY)
     return stamp != before or fetched or carried
 

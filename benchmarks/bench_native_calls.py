@@ -4,6 +4,9 @@ Part 1 counts, per one-token-per-sequence decode step on a reused graph and per 
 calls made through the binding layer's table (by function) and the reads of a ``struct ggml_tensor``
 (:class:`native_calls.NativeCalls`).
 
+Part 3 times the op calls of a graph build through the ctypes table and through the package's compiled calls
+(``G.FAST``, kvcache_ggml/_ggml/_fastcalls.py), which build.py builds with cffi's API mode.
+
 Part 2 times the same kinds of call side by side: ctypes as the binding layer declares them; cffi in ABI mode
 (``ffi.dlopen`` of the same libraries); cffi in API mode (an extension compiled here, in a temporary folder, against
 the vendored ggml headers and linked to the same libraries -- what ``build.py`` would have to build).  Calls:
@@ -189,6 +192,29 @@ def part_costs(n: int, per_step: tuple[float, float]) -> None:
     ctx.close()
 
 
+def part_compiled(n: int) -> None:
+    """The op calls of a graph build through the binding layer's ctypes table and through its compiled calls
+    (``G.FAST``, built by build.py: kvcache_ggml/_ggml/_fastcalls.py), the same arguments (ints) on both."""
+    if not G.FAST:
+        print(f"\n(no compiled calls: {G.WHY_NO_FAST})")
+        return
+    n = min(n, 20000)  # each call makes a tensor: the context is reset before each repeat
+    with G.Context.for_tensors(2) as src, G.Context.for_tensors(n) as ctx:
+        c = ctx.ptr
+        x, pos = src.new_tensor("f32", (64, 8, 4)), src.new_tensor("i32", (4,))
+        calls = {"add (3 args)": ("ggml_add", (c, x, x)),
+                 "reshape_3d (5 args)": ("ggml_reshape_3d", (c, x, 64, 4, 8)),
+                 "view_4d (10 args)": ("ggml_view_4d", (c, x, 64, 4, 2, 4, 256, 1024, 2048, 0)),
+                 "rope_ext (13 args)": ("ggml_rope_ext", (c, x, pos, 0, 64, 0, 4096, 1e4, 1.0, 0.0, 1.0, 32.0, 1.0))}
+        print(f"\ngraph-building calls, us (best of 5 x {n}): ctypes table / compiled (G.FAST)")
+        for row, (name, args) in calls.items():
+            cols = []
+            for fn in (G.FUNCTIONS[name], G.FAST[name]):
+                cols.append(min(timeit.repeat(lambda: fn(*args), setup=lambda: G.ggml_reset(c), number=n,
+                                              repeat=5)) / n * 1e6)
+            print(f"{row:>30} {cols[0]:9.3f} {cols[1]:9.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=200000, help="calls per timing")
@@ -199,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              vocab=256))
         per_step = part_counts(path)
     part_costs(a.n, per_step)
+    part_compiled(a.n)
     return 0
 
 

@@ -6,7 +6,7 @@
     .venv/bin/python scripts/mutation_check.py --list                # check the table only (each old text once)
 
 For each mutation of ``MUTATIONS`` the working tree (tracked and untracked, not ignored files: what
-``git ls-files -co --exclude-standard`` lists; ``vendor/`` linked) is copied to a fresh temporary folder, the one
+``git ls-files -co --exclude-standard`` lists; ``vendor/`` linked, the compiled calls copied) is copied to a fresh temporary folder, the one
 line is changed there, and the whole default suite runs on the copy (``python -m pytest -x -p no:cacheprovider``,
 fail-fast, ``CI=true`` so that hypothesis replays its fixed examples).  The repository itself is never modified.  A
 mutation is caught when the suite fails; the first failing test is reported.  Before the mutations, the unmodified
@@ -128,6 +128,7 @@ MUTATIONS = [
 # ignored folders the default suite reads: build.py's unpacked ggml-python source (test_bindings reads its
 # headers) and the GPU check's carried payload (tests/test_gpu_check.py checks it under CI)
 LINKED = ("vendor", ".carry")
+BUILT = ("kvcache_ggml/_ggml/_ops_cffi.*",)  # git-ignored build outputs the suite uses, copied (build.py makes them)
 README = ROOT / "tests" / "README.md"
 GOLDEN = "tests/test_golden_traces.py"
 
@@ -173,6 +174,9 @@ def copy_tree(dst: Path) -> None:
     for rel in LINKED:
         if (ROOT / rel).exists():
             (dst / rel).symlink_to((ROOT / rel).resolve(), target_is_directory=True)
+    for pattern in BUILT:
+        for src in ROOT.glob(pattern):
+            shutil.copy2(src, dst / src.relative_to(ROOT))
 
 
 def run_suite(root: Path, name: str, timeout: int, paths: list[str]) -> Outcome:

@@ -1,7 +1,7 @@
 """Count the native calls a piece of code makes through the binding layer (a test and benchmark helper).
 
-``with NativeCalls() as nc: ...`` replaces, for the duration of the block, every C function of the binding
-layer's table (``kvcache_ggml._ggml.FUNCTIONS``, which the binding layer's own helpers read at call time, and the
+``with NativeCalls() as nc: ...`` replaces, for the duration of the block, every C function the binding layer calls
+(``kvcache_ggml._ggml.CALLS``, ctypes or compiled, which the binding layer's own helpers read at call time, and the
 ``G.ggml_*`` module attributes the rest of the package calls) by a counting wrapper, and counts the reads of a
 ``struct ggml_tensor`` through the binding layer's one accessor (``_tensor._c``: ``G.ne``, ``G.header``,
 ``G.to_numpy``, ...).  ``nc.calls`` maps C function name -> calls, ``nc.struct_reads`` is the count of struct
@@ -49,7 +49,7 @@ class NativeCalls:
         return counted
 
     def __enter__(self) -> "NativeCalls":
-        table = _lib.FUNCTIONS
+        table = _lib.CALLS
         self._saved = dict(table)
         for name, fn in self._saved.items():
             w = self._wrap(name, fn)
@@ -66,7 +66,7 @@ class NativeCalls:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        table = _lib.FUNCTIONS
+        table = _lib.CALLS
         for name, fn in self._saved.items():
             table[name] = fn
             setattr(G, name, fn)

@@ -239,8 +239,11 @@ def test_redeclared_is_exactly_what_ggml_python_gets_wrong(headers):
 
 
 def test_table_functions_are_module_attributes():
+    """G.<name> is what the package calls: the compiled wrapper where build.py built one, else the table's ctypes
+    function."""
     for name, fn in G.FUNCTIONS.items():
-        assert getattr(G, name) is fn
+        assert getattr(G, name) is G.CALLS[name] is G.FAST.get(name, fn)
+    assert set(G.CALLS) == set(G.FUNCTIONS) and set(G.FAST) <= set(G.FUNCTIONS)
     assert set(G.REQUIRED) <= set(G.FUNCTIONS)
     assert G.DEFINED_IN["ggml_init"] == "ggml-base" and G.DEFINED_IN["ggml_backend_cpu_init"] == "ggml-cpu"
 
@@ -557,14 +560,14 @@ def test_get_into_copies_whole_tensors_into_a_given_array():
 
 def test_native_call_counter_counts_and_restores():
     from native_calls import NativeCalls
-    before = dict(G.FUNCTIONS)
+    before = dict(G.CALLS)
     with G.Context(1 << 12) as ctx:
         t = G.from_numpy(ctx, np.zeros((2, 3), np.float32))
         with NativeCalls() as nc:
             assert G.nelements(t) == 6 and G.ne(t) == (3, 2, 1, 1)
             G.ggml_nbytes(t)
         assert dict(nc.calls) == {"ggml_nelements": 1, "ggml_nbytes": 1} and nc.struct_reads == 1
-    assert G.FUNCTIONS == before and all(getattr(G, k) is v for k, v in before.items())
+    assert G.CALLS == before and all(getattr(G, k) is v for k, v in before.items())
 
 
 def test_advise_huge_pages_keeps_the_data_and_covers_the_aligned_interior():

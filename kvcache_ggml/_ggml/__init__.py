@@ -2,7 +2,8 @@
 
 Other modules do `from kvcache_ggml import _ggml as G` and then:
 - call C functions of the table by their C names: `G.ggml_view_4d(ctx.ptr, t, ...)`, `G.ggml_set_rows(...)`
-  (`G.FUNCTIONS` is the table: name -> ctypes function, declared with the right types);
+  (`G.FUNCTIONS` is the table: name -> ctypes function, declared with the right types; `G.CALLS` the functions
+  called, the graph builders' compiled with cffi where build.py could: `_fastcalls.py`);
 - read tensors with the helpers: `G.ne(t)`, `G.nb(t)`, `G.ttype(t)`, `G.name(t)`, `G.to_numpy(t)`, ...;
 - convert quantized rows to float32 with `G.dequantize(raw, type_)` (ggml's own CPU kernels);
 - own native handles with `G.Context`, `G.BackendBuffer`, `G.Backend`, `G.Sched` (close() / `with`); `G.Graph`.
@@ -10,8 +11,8 @@ Other modules do `from kvcache_ggml import _ggml as G` and then:
 Handles are ints (contexts, buffers, buffer types, backends, devices, tensors, graphs; None for NULL): the table
 declares every pointer `void *` (`G.Tensor` names the tensors' kind in annotations).
 """
-from ._lib import (DEFINED_IN, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, REDECLARED, REQUIRED, CgraphP,
-                   EvalCallback, TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
+from ._lib import (CALLS, DEFINED_IN, FAST, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, REDECLARED, REQUIRED,
+                   WHY_NO_FAST, CgraphP, EvalCallback, TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
 from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_SRC, GGML_MEM_ALIGN,
                      GGML_OP_COUNT, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_NEOX,
                      GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, DeviceType, GGMLOp, GGMLType,
@@ -27,10 +28,10 @@ from ._convert import dequantize
 from ._devices import (Device, commit, device, devices, extra_bufts, registries, rpc_add_server, rpc_available,
                        rpc_start_server, set_log_level, summary_lines, version, weight_op_supported)
 
-globals().update(FUNCTIONS)  # every C function of the table as a module attribute: G.ggml_set_rows, ...
+globals().update(CALLS)  # every C function of the table as a module attribute (compiled where built): G.ggml_add
 
 __all__ = sorted(FUNCTIONS) + [
-    "DEFINED_IN", "FUNCTIONS", "GGML_PYTHON_VERSION", "LIBRARIES", "OPTIONAL", "REDECLARED", "REQUIRED", "CgraphP",
+    "CALLS", "DEFINED_IN", "FAST", "FUNCTIONS", "WHY_NO_FAST", "GGML_PYTHON_VERSION", "LIBRARIES", "OPTIONAL", "REDECLARED", "REQUIRED", "CgraphP",
     "EvalCallback", "TensorP", "ggml_init_params", "ggml_tensor", "has", "is_ctypes_type",
     "GGML_DEFAULT_GRAPH_SIZE", "GGML_MAX_DIMS", "GGML_MAX_NAME", "GGML_MAX_SRC", "GGML_MEM_ALIGN", "GGML_OP_COUNT",
     "GGML_ROPE_TYPE_IMROPE", "GGML_ROPE_TYPE_MROPE", "GGML_ROPE_TYPE_NEOX", "GGML_ROPE_TYPE_NORMAL",

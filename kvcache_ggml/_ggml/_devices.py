@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from ._lib import DEFINED_IN, FUNCTIONS as _F, GGML_PYTHON_VERSION, LIBRARIES, has
+from ._lib import CALLS as _F, DEFINED_IN, FAST, GGML_PYTHON_VERSION, LIBRARIES, WHY_NO_FAST, has
 from ._owners import dev_memory
 from ._types import DeviceType, _cstr
 
@@ -91,7 +91,8 @@ def summary_lines() -> list[str]:
         gib = 2**30
         mem = f"{d.memory_free / gib:.1f}/{d.memory_total / gib:.1f} GiB free" if d.memory_total else "no memory info"
         lines.append(f"device {d.name}: {d.type.name}, {d.description}, {mem}")
-    lines.append(f"binding table: {len(_F)} C functions ({sum(1 for n in DEFINED_IN if 'rpc' in n)} RPC)")
+    lines.append(f"binding table: {len(_F)} C functions ({sum(1 for n in DEFINED_IN if 'rpc' in n)} RPC), "
+                 + (f"{len(FAST)} of them compiled (cffi)" if FAST else f"all through ctypes: {WHY_NO_FAST}"))
     return lines
 
 

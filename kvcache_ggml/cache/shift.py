@@ -115,7 +115,7 @@ class KShift:
         if n_rot % 2 or n_rot > G.ne(cur)[0]:
             raise ValueError(f"n_rot={n_rot} must be even and <= n_embd_head_k={G.ne(cur)[0]} for the K-shift")
         c = _ctx_ptr(ctx)
-        args = (shift, factors, n_rot, int(rope_type), cparams.n_ctx_orig_yarn, freq_base, freq_scale,
+        args = (shift, G.addr(factors), n_rot, int(rope_type), cparams.n_ctx_orig_yarn, freq_base, freq_scale,
                 cparams.yarn_ext_factor, cparams.yarn_attn_factor, cparams.yarn_beta_fast, cparams.yarn_beta_slow)
         if G.is_quantized(G.ttype(cur)):
             tmp = G.ggml_cast(c, cur, _F32)              # [n_embd_head_k, n_head_kv, n_rows] F32

@@ -304,7 +304,8 @@ def _self_attention(ctx: G.Context, graph: G.Graph, model: Any, cparams: Any, il
     q = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wq, cur), d, hp.n_head(il), n_tokens)     # [d, n_head, n_tok]
     k = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wk, cur), d, hp.n_head_kv(il), n_tokens)  # [d, n_head_kv, n_tok]
     v = G.ggml_reshape_3d(c, G.ggml_mul_mat(c, lw.wv, cur), d, hp.n_head_kv(il), n_tokens)  # [d, n_head_kv, n_tok]
-    rope = (None, hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn, model.get_rope_freq_base(cparams, il),
+    # (no frequency factors: a NULL tensor, 0 as the binding layer passes it)
+    rope = (0, hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn, model.get_rope_freq_base(cparams, il),
             model.get_rope_freq_scale(cparams, il), cparams.yarn_ext_factor, cparams.yarn_attn_factor,
             cparams.yarn_beta_fast, cparams.yarn_beta_slow)
     if gp.qk_norm:

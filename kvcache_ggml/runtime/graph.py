@@ -155,7 +155,7 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
         q = G.ggml_reshape_3d(c, q, d, n_head, n_tokens)                         # [d, n_head, n_tokens]
         k = G.ggml_reshape_3d(c, k, d, n_head_kv, n_tokens)                      # [d, n_head_kv, n_tokens]
         v = nm(G.ggml_reshape_3d(c, v, d, n_head_kv, n_tokens), "Vcur", il)   # [d, n_head_kv, n_tokens]
-        rope = (model.get_rope_factors(cparams, il), hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn,
+        rope = (G.addr(model.get_rope_factors(cparams, il)), hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn,
                 model.get_rope_freq_base(cparams, il), model.get_rope_freq_scale(cparams, il),
                 cparams.yarn_ext_factor, cparams.yarn_attn_factor, cparams.yarn_beta_fast, cparams.yarn_beta_slow)
         q = nm(G.ggml_rope_ext(c, q, pos, *rope), "Qcur", il)                  # [d, n_head, n_tokens]
