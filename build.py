@@ -9,8 +9,9 @@
 
 Set-up: creates .venv/, installs the build dependencies, downloads the pinned ggml-python source package into
 vendor/, unpacks it under vendor/ggml/, builds and installs it with the requested ggml backends (CPU always, RPC by
-default), then installs this project editable with its fast and test extras (`test` adds the notebooks extra), compiles
-the graph builders' C calls with cffi (optional: ctypes serves without them), and fills .carry/ (see below). A stamp file in .venv/ records what was done; a re-run with the same flags does nothing. Standard library
+default), then installs this project editable with its fast and test extras (`test` adds the notebooks extra),
+compiles the graph builders' C calls with cffi (optional: ctypes serves without them), and fills .carry/ (see
+below). A stamp file in .venv/ records what was done; a re-run with the same flags does nothing. Standard library
 only.
 
 .carry/ (git-ignored) is what scripts/gpu_check.sh installs on a GPU machine with no network: the pinned ggml-python

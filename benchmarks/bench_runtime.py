@@ -13,11 +13,11 @@ output), seq_cp to the other sequences, then ``--n-gen`` steps of one token per 
 Our runs and llama.cpp's alternate (llama.cpp in a :class:`LlamaSession` in the oracle's interpreter), best of
 ``--reps`` each, so a busy machine slows both alike: our prompt, llama.cpp's, our steps, llama.cpp's, each turn
 after ``--quiet-ms`` of sleep (a side's OpenMP workers spin for about 10 ms after its last graph; a turn started at
-once would share the two CPUs with them -- the turn after a side's steps loses up to a tenth); each side does so in ``--sessions`` fresh sessions (our
-Context, llama.cpp's runner process: one process can run the same steps half again as slow as the next one) and the
-best of all runs counts.  The sessions are rounds over all configurations (session 1 of each, then session 2, ...),
-so that one of this machine's slow spells, which last about a minute, falls on one session of several
-configurations rather than on every session of one.
+once would share the two CPUs with them -- the turn after a side's steps loses up to a tenth); each side does so in
+``--sessions`` fresh sessions (our Context, llama.cpp's runner process: one process can run the same steps half
+again as slow as the next one) and the best of all runs counts.  The sessions are rounds over all configurations
+(session 1 of each, then session 2, ...), so that one of this machine's slow spells, which last about a minute,
+falls on one session of several configurations rather than on every session of one.
 
 Columns: tokens/s of the decode steps for both and the ratio (ours / llama.cpp, 1.0 = as fast), including building
 each step's batch and taking its logits into numpy on both sides (ours: the array ``decode`` returns; llama.cpp's:

@@ -5,12 +5,12 @@
     nice -n 10 .venv/bin/python scripts/mutation_check.py --suite-order --readme   # the suite in its own order
     .venv/bin/python scripts/mutation_check.py --list                # check the table only (each old text once)
 
-For each mutation of ``MUTATIONS`` the working tree (tracked and untracked, not ignored files: what
-``git ls-files -co --exclude-standard`` lists; ``vendor/`` linked, the compiled calls copied) is copied to a fresh temporary folder, the one
-line is changed there, and the whole default suite runs on the copy (``python -m pytest -x -p no:cacheprovider``,
-fail-fast, ``CI=true`` so that hypothesis replays its fixed examples).  The repository itself is never modified.  A
-mutation is caught when the suite fails; the first failing test is reported.  Before the mutations, the unmodified
-copy must pass.
+For each mutation of ``MUTATIONS`` the working tree (tracked and untracked, not ignored files: what ``git ls-files
+-co --exclude-standard`` lists; ``vendor/`` linked, the compiled calls copied) is copied to a fresh temporary
+folder, the one line is changed there, and the whole default suite runs on the copy (``python -m pytest -x -p
+no:cacheprovider``, fail-fast, ``CI=true`` so that hypothesis replays its fixed examples).  The repository itself is
+never modified.  A mutation is caught when the suite fails; the first failing test is reported.  Before the mutations,
+the unmodified copy must pass.
 
 By default the golden traces (``tests/test_golden_traces.py``) run first and then the rest of the default suite
 (the same tests, each once): the check then shows directly whether the golden traces catch each mutation, and a

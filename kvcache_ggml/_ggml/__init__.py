@@ -31,7 +31,8 @@ from ._devices import (Device, commit, device, devices, extra_bufts, registries,
 globals().update(CALLS)  # every C function of the table as a module attribute (compiled where built): G.ggml_add
 
 __all__ = sorted(FUNCTIONS) + [
-    "CALLS", "DEFINED_IN", "FAST", "FUNCTIONS", "WHY_NO_FAST", "GGML_PYTHON_VERSION", "LIBRARIES", "OPTIONAL", "REDECLARED", "REQUIRED", "CgraphP",
+    "CALLS", "DEFINED_IN", "FAST", "FUNCTIONS", "GGML_PYTHON_VERSION", "LIBRARIES", "OPTIONAL", "REDECLARED",
+    "REQUIRED", "WHY_NO_FAST", "CgraphP",
     "EvalCallback", "TensorP", "ggml_init_params", "ggml_tensor", "has", "is_ctypes_type",
     "GGML_DEFAULT_GRAPH_SIZE", "GGML_MAX_DIMS", "GGML_MAX_NAME", "GGML_MAX_SRC", "GGML_MEM_ALIGN", "GGML_OP_COUNT",
     "GGML_ROPE_TYPE_IMROPE", "GGML_ROPE_TYPE_MROPE", "GGML_ROPE_TYPE_NEOX", "GGML_ROPE_TYPE_NORMAL",
