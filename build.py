@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
 """Set up kvcache_ggml on a fresh machine (Python >= 3.10, a C/C++ compiler, cmake) and run it.
 
-    python3 build.py [build options]                     set up .venv/ only
-    python3 build.py [build options] test [pytest args]  set up, then .venv/bin/python -m pytest ...
-    python3 build.py [build options] demo [demo args]    set up, then .venv/bin/python -m kvcache_ggml demo ...
+    python3 build.py [build options]                     set up the flavour's venv only (.venv/ by default)
+    python3 build.py [build options] test [pytest args]  set up, then <venv>/bin/python -m pytest ...
+    python3 build.py [build options] demo [demo args]    set up, then <venv>/bin/python -m kvcache_ggml demo ...
     python3 build.py carry                               fill .carry/ only (no set-up): the GPU check's payload
     python3 build.py [build options] cmake-args          print the CMAKE_ARGS a ggml build with these options uses
 
-Set-up: creates .venv/, installs the build dependencies, downloads the pinned ggml-python source package into
-vendor/, unpacks it under vendor/ggml/, builds and installs it with the requested ggml backends (CPU always, RPC by
-default), then installs this project editable with its fast and test extras (`test` adds the notebooks extra),
-compiles the graph builders' C calls with cffi (optional: ctypes serves without them), and fills .carry/ (see
-below). A stamp file in .venv/ records what was done; a re-run with the same flags does nothing. Standard library
-only.
+Set-up: creates the flavour's venv, installs the build dependencies, downloads the pinned ggml-python source
+package into vendor/, unpacks it under vendor/ggml/ and applies GGML_PATCHES, builds and installs it with the
+requested ggml backends (CPU always, RPC by default), then installs this project editable with its fast and test
+extras (`test` adds the notebooks extra), compiles the graph builders' C calls with cffi into the venv (optional:
+ctypes serves without them), and fills .carry/ (see below). A stamp file in the venv records what was done; a re-run
+with the same flags does nothing. Standard library only.
+
+Flavours: each set of build options has its own venv, so flavours coexist: the default (CPU + RPC, CPU code for
+this machine) lives in .venv/, every other in .venv-<flavour>/, named by its non-default options in a fixed order
+(.venv-vulkan/, .venv-avx2/, .venv-asan/, .venv-vulkan-asan/, ...; BuildFlags.flavour). `test` and `demo` run in the
+flavour the options name: `python3 build.py --vulkan test -m vulkan` never touches .venv/.
 
 .carry/ (git-ignored) is what scripts/gpu_check.sh installs on a GPU machine with no network: the pinned ggml-python
 source package and the pure-Python wheels that machine's image lacks (CARRY_WHEELS), with MANIFEST, in
@@ -39,12 +44,9 @@ if sys.version_info < (3, 10):
     sys.exit(f"build.py: error: Python {sys.version.split()[0]} is too old: kvcache_ggml needs Python >= 3.10")
 
 ROOT = Path(__file__).resolve().parent
-VENV = ROOT / ".venv"
-VENV_PY = VENV / "bin" / "python"
-STAMP = VENV / ".kvcache_build.json"
+STAMP_NAME = ".kvcache_build.json"  # in each flavour's venv
 VENDOR = ROOT / "vendor"
 VENDOR_GGML = VENDOR / "ggml"
-BUILD_LOG = VENDOR / "build.log"
 LOCK = VENDOR / ".build.lock"
 
 GGML_PYTHON_VERSION = "0.0.45"
@@ -90,6 +92,22 @@ class BuildFlags:
     metal: bool  # -DGGML_METAL
     vulkan: bool  # -DGGML_VULKAN
     rpc: bool  # -DGGML_RPC (default on)
+    vulkan_headers: str = ""  # absolute path of a folder with newer vulkan/*.hpp headers ("" = the system's)
+    avx2: bool = False  # the CPU backend for AVX2 machines (GGML_NATIVE=OFF), not for this CPU's every feature
+    asan: bool = False  # ggml with AddressSanitizer + UndefinedBehaviorSanitizer (GGML_SANITIZE_*)
+
+    def flavour(self) -> str:
+        """The flavour's name: "" for the default (CPU + RPC, native CPU code), else its non-default parts joined
+        by '-' ("vulkan", "cuda", "avx2", "vulkan-asan", ...).  Each flavour has its own venv, so they coexist."""
+        parts = [n for n, on in (("cuda", self.cuda), ("metal", self.metal), ("vulkan", self.vulkan),
+                                 ("norpc", not self.rpc), ("avx2", self.avx2), ("asan", self.asan)) if on]
+        return "-".join(parts)
+
+    @property
+    def venv(self) -> Path:
+        """.venv/ for the default flavour, .venv-<flavour>/ for the others."""
+        name = self.flavour()
+        return ROOT / (f".venv-{name}" if name else ".venv")
 
     def cmake_args(self) -> str:
         onoff = lambda b: "ON" if b else "OFF"  # noqa: E731
@@ -101,6 +119,16 @@ class BuildFlags:
                 "-DGGML_LLAMAFILE=ON"]
         if self.cuda and self.cuda_arch:
             args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_arch}")
+        if self.vulkan and self.vulkan_headers:
+            # FindVulkan takes a preset include dir; its imported target puts it before /usr/include
+            args.append(f"-DVulkan_INCLUDE_DIR={self.vulkan_headers}")
+        if self.avx2:
+            # what ggml's own x86 defaults give without GGML_NATIVE: SSE4.2, AVX, AVX2, BMI2, FMA, F16C; no AVX-512
+            args += ["-DGGML_NATIVE=OFF", *(f"-DGGML_{f}=ON" for f in ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C"))]
+        if self.asan:
+            # frame pointers and -O1 keep the reports' stacks whole; ggml adds -fsanitize=... to its targets
+            args += ["-DGGML_SANITIZE_ADDRESS=ON", "-DGGML_SANITIZE_UNDEFINED=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                     "-DCMAKE_C_FLAGS=-fno-omit-frame-pointer", "-DCMAKE_CXX_FLAGS=-fno-omit-frame-pointer"]
         return " ".join(args)
 
     def backends(self) -> list[str]:
@@ -117,7 +145,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[st
     p.add_argument("--cuda", action="store_true", help="build the CUDA backend")
     p.add_argument("--cuda-arch", default="", metavar="N", help="CMAKE_CUDA_ARCHITECTURES (with --cuda)")
     p.add_argument("--metal", action="store_true", help="build the Metal backend")
-    p.add_argument("--vulkan", action="store_true", help="build the Vulkan backend")
+    p.add_argument("--vulkan", action="store_true", help="build the Vulkan backend (in .venv-vulkan/)")
+    p.add_argument("--vulkan-headers", default=None, metavar="DIR",
+                   help=f"with --vulkan: a folder holding vulkan/vulkan.hpp newer than the system's (default: "
+                        f"${VULKAN_HEADERS_ENV}; scripts/vulkan_sw.sh prints one when the system's are too old)")
+    p.add_argument("--avx2", action="store_true",
+                   help="build the CPU backend for AVX2 (GGML_NATIVE=OFF: no AVX-512 even where this CPU has it)")
+    p.add_argument("--asan", action="store_true",
+                   help="build ggml with AddressSanitizer and UBSan; `test` then runs pytest with them preloaded")
     p.add_argument("--rpc", dest="rpc", action="store_true", default=True, help="build the RPC backend (default)")
     p.add_argument("--no-rpc", dest="rpc", action="store_false", help="do not build the RPC backend")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
@@ -128,6 +163,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[st
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.cuda_arch and not args.cuda:
         p.error("--cuda-arch needs --cuda")
+    if args.vulkan_headers is not None and not args.vulkan:
+        p.error("--vulkan-headers needs --vulkan")
     return args, command, rest
 
 
@@ -152,11 +189,53 @@ def run_logged(cmd: list[str], what: str, env: dict[str, str] | None = None, log
     say(f"{what}: done in {time.monotonic() - t0:.1f} s")
 
 
-def pip(*args: str, python: Path | str = VENV_PY) -> list[str]:
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def pip(*args: str, python: Path | str) -> list[str]:
     return [str(python), "-m", "pip", "--disable-pip-version-check", *args]
 
 
 # ---- checks of the host -------------------------------------------------------------------------------------
+
+VULKAN_HEADERS_ENV = "KVCACHE_VULKAN_HEADERS"
+# ggml-vulkan (ggml 0.9.x) uses vk::LayerSettingEXT (VK_EXT_layer_settings): Vulkan-Hpp 1.3.261 and later
+VULKAN_NEEDS = "LayerSettingEXT"
+
+
+def vulkan_headers_dir(args: argparse.Namespace) -> str:
+    """The --vulkan-headers folder (or $KVCACHE_VULKAN_HEADERS), absolute and checked; "" for the system's."""
+    if not args.vulkan:
+        return ""
+    given = args.vulkan_headers if args.vulkan_headers is not None else os.environ.get(VULKAN_HEADERS_ENV, "")
+    if not given:
+        return ""
+    d = Path(given).expanduser().resolve()
+    if not (d / "vulkan" / "vulkan.hpp").is_file():
+        raise SetupError(f"--vulkan-headers {given!r}: {d / 'vulkan' / 'vulkan.hpp'} does not exist (give the "
+                         f"folder that holds vulkan/, e.g. the one scripts/vulkan_sw.sh prints)")
+    return str(d)
+
+
+def check_vulkan_toolchain(flags: BuildFlags) -> None:
+    """What ggml-vulkan's build needs, checked before a long build fails: glslc, and Vulkan-Hpp headers new
+    enough (the system's, or flags.vulkan_headers)."""
+    if not shutil.which("glslc"):
+        raise SetupError("glslc not found on PATH: ggml-vulkan compiles its shaders with it (Debian/Ubuntu: run "
+                         "scripts/vulkan_sw.sh as root, or install the LunarG Vulkan SDK)")
+    inc = Path(flags.vulkan_headers) if flags.vulkan_headers else Path("/usr/include")
+    structs = inc / "vulkan" / "vulkan_structs.hpp"
+    if not structs.is_file():
+        raise SetupError(f"no Vulkan-Hpp headers at {structs.parent} (Debian/Ubuntu: libvulkan-dev; or "
+                         f"--vulkan-headers DIR)")
+    if VULKAN_NEEDS not in structs.read_text(errors="replace"):
+        m = re.search(r"VK_HEADER_VERSION\s+(\d+)", (inc / "vulkan" / "vulkan_core.h").read_text(errors="replace")) \
+            if (inc / "vulkan" / "vulkan_core.h").is_file() else None
+        have = f"1.x.{m.group(1)}" if m else "of unknown version"
+        raise SetupError(f"the Vulkan headers at {inc} ({have}) lack vk::{VULKAN_NEEDS}, which ggml-vulkan needs "
+                         f"(Vulkan-Hpp >= 1.3.261): run scripts/vulkan_sw.sh as root and pass the folder it prints "
+                         f"with --vulkan-headers (or ${VULKAN_HEADERS_ENV})")
 
 def find_tool(env_var: str, names: tuple[str, ...]) -> str | None:
     if os.environ.get(env_var):
@@ -186,17 +265,17 @@ def check_toolchain() -> None:
 
 # ---- the stamp ----------------------------------------------------------------------------------------------
 
-def read_stamp() -> dict:
+def read_stamp(venv: Path) -> dict:
     try:
-        return json.loads(STAMP.read_text())
+        return json.loads((venv / STAMP_NAME).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def write_stamp(stamp: dict) -> None:
-    tmp = STAMP.with_suffix(".tmp")
+def write_stamp(venv: Path, stamp: dict) -> None:
+    tmp = venv / (STAMP_NAME + ".tmp")
     tmp.write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
-    tmp.replace(STAMP)
+    tmp.replace(venv / STAMP_NAME)
 
 
 def file_sha256(path: Path) -> str:
@@ -210,8 +289,9 @@ def venv_key() -> dict:
 
 
 def ggml_key(flags: BuildFlags) -> dict:
+    built = tuple(b.lower() for b in flags.backends())
     return {"ggml_python": GGML_PYTHON_VERSION, "sha256": GGML_PYTHON_SHA256, "flags": asdict(flags),
-            "recipe": GGML_RECIPE}
+            "recipe": GGML_RECIPE, "patches": patches_digest(built)}
 
 
 def project_key(extras: tuple[str, ...]) -> dict:
@@ -226,25 +306,25 @@ def installed_extras(stamp: dict) -> set[str]:
     return {e for e in str(have.get("extras", "")).split(",") if e}
 
 
-def ggml_libs_present() -> bool:
-    return any(VENV.glob("lib/python3*/site-packages/ggml/lib/libggml-base.*"))
+def ggml_libs_present(venv: Path) -> bool:
+    return any(venv.glob("lib/python3*/site-packages/ggml/lib/libggml-base.*"))
 
 
 # ---- the stages ---------------------------------------------------------------------------------------------
 
-def stage_venv(stamp: dict) -> dict:
-    if VENV_PY.exists() and stamp.get("venv") == venv_key():
+def stage_venv(venv: Path, stamp: dict) -> dict:
+    if venv_python(venv).exists() and stamp.get("venv") == venv_key():
         return stamp
-    say(f"creating {VENV.relative_to(ROOT)}/ with {sys.executable} ({sys.version.split()[0]})")
-    run_logged([sys.executable, "-m", "venv", "--clear", str(VENV)], "venv")
-    run_logged(pip("install", "--upgrade", *BUILD_DEPS), "installing build dependencies "
+    say(f"creating {venv.relative_to(ROOT)}/ with {sys.executable} ({sys.version.split()[0]})")
+    run_logged([sys.executable, "-m", "venv", "--clear", str(venv)], "venv")
+    run_logged(pip("install", "--upgrade", *BUILD_DEPS, python=venv_python(venv)), "installing build dependencies "
                + ", ".join(re.split(r"[<>=]", d)[0] for d in BUILD_DEPS))
     stamp = {"venv": venv_key()}  # everything else is gone with --clear
-    write_stamp(stamp)
+    write_stamp(venv, stamp)
     return stamp
 
 
-def fetch_sdist(python: Path | str = VENV_PY) -> None:
+def fetch_sdist(python: Path | str) -> None:
     if SDIST.exists() and file_sha256(SDIST) == GGML_PYTHON_SHA256:
         return
     VENDOR.mkdir(exist_ok=True)
@@ -259,6 +339,71 @@ def fetch_sdist(python: Path | str = VENV_PY) -> None:
         raise SetupError(f"{SDIST.name} has sha256 {got}, expected {GGML_PYTHON_SHA256}: delete it and retry")
 
 
+# ---- patches to the pinned ggml ------------------------------------------------------------------------------
+
+@dataclass(slots=True, frozen=True)
+class SourcePatch:
+    """One edit of the unpacked source package: ``old`` must occur exactly once in ``path`` and becomes ``new``."""
+
+    name: str     # short id, recorded in the unpacked tree's marker
+    backend: str  # the ggml backend whose library it changes (a flavour without it is not rebuilt for it)
+    path: str     # relative to the source package's root
+    old: str      # the exact text replaced (the pinned source's)
+    new: str      # what replaces it
+    why: str      # one line; docs/parity.md has the full story and the reproduction
+
+
+GGML_PATCHES: tuple[SourcePatch, ...] = (
+    SourcePatch(
+        name="vulkan-lavapipe-full-descriptor-writes",
+        backend="vulkan",
+        path="vendor/ggml/src/ggml-vulkan/ggml-vulkan.cpp",
+        old="""    vk::DescriptorSet& descriptor_set = ctx->descriptor_sets[ctx->descriptor_set_idx++];
+    vk::WriteDescriptorSet write_descriptor_set{ descriptor_set, 0, 0, pipeline->parameter_count, vk::DescriptorType::eStorageBuffer, nullptr, descriptor_buffer_infos.begin() };
+""",
+        new="""    vk::DescriptorSet& descriptor_set = ctx->descriptor_sets[ctx->descriptor_set_idx++];
+    // kvcache_ggml (build.py, docs/parity.md): every pipeline shares one layout of MAX_PARAMETER_COUNT bindings and
+    // a reused set keeps, past parameter_count, the buffers of its earlier dispatches. Mesa's lavapipe (22.x)
+    // touches every binding of a bound set, so a binding naming a since-destroyed buffer (a freed KV cache, a
+    // reallocated compute buffer) is a use-after-free that corrupts the heap. On lavapipe, fill every binding:
+    // the unused ones repeat the first buffer, which is alive.
+    std::array<vk::DescriptorBufferInfo, MAX_PARAMETER_COUNT> kv_all_infos;
+    uint32_t kv_n_write = pipeline->parameter_count;
+    const vk::DescriptorBufferInfo * kv_infos = descriptor_buffer_infos.begin();
+    if (ctx->device->driver_id == vk::DriverId::eMesaLlvmpipe && kv_n_write > 0) {
+        for (uint32_t i = 0; i < MAX_PARAMETER_COUNT; i++) {
+            kv_all_infos[i] = kv_infos[i < kv_n_write ? i : 0];
+        }
+        kv_n_write = MAX_PARAMETER_COUNT;
+        kv_infos = kv_all_infos.data();
+    }
+    vk::WriteDescriptorSet write_descriptor_set{ descriptor_set, 0, 0, kv_n_write, vk::DescriptorType::eStorageBuffer, nullptr, kv_infos };
+""",
+        why="lavapipe reads stale descriptor bindings of destroyed buffers (heap corruption): write them all there"),
+)
+
+
+def patches_digest(backends: tuple[str, ...] | None = None) -> str:
+    """sha256 over the patches (those of ``backends`` only, when given): part of the source's and a build's
+    identity, so that a changed patch unpacks and rebuilds."""
+    h = hashlib.sha256()
+    for p in GGML_PATCHES:
+        if backends is None or p.backend in backends:
+            h.update("\0".join((p.name, p.path, p.old, p.new)).encode())
+    return h.hexdigest()
+
+
+def apply_patches(root: Path) -> None:
+    for p in GGML_PATCHES:
+        f = root / p.path
+        text = f.read_text()
+        n = text.count(p.old)
+        if n != 1:
+            raise SetupError(f"patch {p.name}: its original text occurs {n} times in {f} (expected once): the pinned "
+                             f"source changed, so the patch must be redone")
+        f.write_text(text.replace(p.old, p.new))
+
+
 def unpack_sdist() -> None:
     marker = SOURCE / ".unpacked"
     if SOURCE.exists():
@@ -269,54 +414,66 @@ def unpack_sdist() -> None:
         tar.extractall(VENDOR_GGML, **extra)
     if not (SOURCE / "CMakeLists.txt").exists():
         raise SetupError(f"unpacking {SDIST.name} did not give {SOURCE.relative_to(ROOT)}/CMakeLists.txt")
-    marker.write_text(GGML_PYTHON_SHA256 + "\n")
+    apply_patches(SOURCE)
+    if GGML_PATCHES:
+        say(f"patched the ggml source: {', '.join(p.name for p in GGML_PATCHES)}")
+    marker.write_text(source_stamp() + "\n")
+
+
+def source_stamp() -> str:
+    return f"{GGML_PYTHON_SHA256} patches {patches_digest()}"
 
 
 def sources_present() -> bool:
     marker = SOURCE / ".unpacked"
-    return marker.exists() and marker.read_text().strip() == GGML_PYTHON_SHA256
+    return marker.exists() and marker.read_text().strip() == source_stamp()
 
 
-def stage_sources() -> bool:
+def stage_sources(python: Path | str) -> bool:
     """The unpacked source package (headers for the tests, sources for rebuilds); True when fetched now."""
     if sources_present():
         return False
-    fetch_sdist()
+    fetch_sdist(python)
     unpack_sdist()
     return True
 
 
 def stage_ggml(stamp: dict, flags: BuildFlags, jobs: int) -> dict:
-    if stamp.get("ggml") == ggml_key(flags) and ggml_libs_present():
+    venv = flags.venv
+    if stamp.get("ggml") == ggml_key(flags) and ggml_libs_present(venv):
         return stamp
     check_toolchain()
-    stage_sources()
+    if flags.vulkan:
+        check_vulkan_toolchain(flags)
+    stage_sources(venv_python(venv))
     # GIT_CEILING_DIRECTORIES: ggml's CMakeLists asks git for its commit; without a ceiling git would find and
     # report this project's repository
     env = dict(os.environ, CMAKE_ARGS=build_cmake_args(flags), CMAKE_BUILD_PARALLEL_LEVEL=str(jobs),
                GIT_CEILING_DIRECTORIES=str(VENDOR))
+    log = VENDOR / f"build-{flags.flavour() or 'default'}.log"
     say(f"building ggml-python {GGML_PYTHON_VERSION} ({', '.join(flags.backends())}) with {jobs} job(s), "
-        f"CMAKE_ARGS={env['CMAKE_ARGS']!r}; log: {BUILD_LOG.relative_to(ROOT)}")
+        f"CMAKE_ARGS={env['CMAKE_ARGS']!r}; log: {log.relative_to(ROOT)}")
     # a persistent build folder per flag set makes a rebuild with the same flags incremental
     build_dir = VENDOR_GGML / "build" / hashlib.sha256(flags.cmake_args().encode()).hexdigest()[:12]
     run_logged(pip("install", "--no-build-isolation", "--no-deps", "--no-cache-dir", "--force-reinstall",
-                   "-v", "-C", f"build-dir={build_dir}", str(SOURCE)),
-               f"build of ggml-python {GGML_PYTHON_VERSION}", env=env, log=BUILD_LOG)
+                   "-v", "-C", f"build-dir={build_dir}", str(SOURCE), python=venv_python(venv)),
+               f"build of ggml-python {GGML_PYTHON_VERSION}", env=env, log=log)
     stamp = {**stamp, "ggml": ggml_key(flags)}
-    write_stamp(stamp)
+    write_stamp(venv, stamp)
     return stamp
 
 
-def stage_project(stamp: dict, extras: tuple[str, ...]) -> dict:
+def stage_project(venv: Path, stamp: dict, extras: tuple[str, ...]) -> dict:
     """Install the project editable; a no-op when the stamp records the same pyproject and every extra needed."""
     have = installed_extras(stamp)
     if set(extras) <= have:
         return stamp
     key = project_key(tuple(have | set(extras)))  # keep what an earlier command installed
     say(f"installing kvcache_ggml editable with extras [{key['extras']}]")
-    run_logged(pip("install", "--no-build-isolation", "-e", f".[{key['extras']}]"), "install of kvcache_ggml")
+    run_logged(pip("install", "--no-build-isolation", "-e", f".[{key['extras']}]", python=venv_python(venv)),
+               "install of kvcache_ggml")
     stamp = {**stamp, "project": key, "built_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    write_stamp(stamp)
+    write_stamp(venv, stamp)
     return stamp
 
 
@@ -329,27 +486,28 @@ def fastcalls_key(stamp: dict) -> dict:
             "table": file_sha256(FASTCALLS_TABLE)}
 
 
-def fastcalls_present() -> bool:
-    return any(FASTCALLS_SRC.parent.glob("_ops_cffi.*"))
+def fastcalls_present(venv: Path) -> bool:
+    """The compiled module is in the venv's own site-packages (it links that venv's ggml)."""
+    return any(venv.glob("lib/python3*/site-packages/_kvcache_ggml_ops.*"))
 
 
-def stage_fastcalls(stamp: dict) -> dict:
+def stage_fastcalls(venv: Path, stamp: dict) -> dict:
     """The compiled wrappers of the graph builders' C calls (cffi's API mode, kvcache_ggml/_ggml/_fastcalls.py).
     Optional: when they cannot be built (no cffi, compiler or Python headers) the package calls through ctypes; the
     failure is recorded and not retried until something it depends on changes."""
     key = fastcalls_key(stamp)
     done = stamp.get("fastcalls") or {}
-    if done.get("key") == key and (fastcalls_present() or done.get("failed")):
+    if done.get("key") == key and (fastcalls_present(venv) or done.get("failed")):
         return stamp
     say("compiling the graph builders' C calls with cffi (kvcache_ggml/_ggml/_fastcalls.py)")
-    proc = subprocess.run([str(VENV_PY), "-c", "from kvcache_ggml._ggml._fastcalls import build; print(build())"],
+    proc = subprocess.run([str(venv_python(venv)), "-c", "from kvcache_ggml._ggml._fastcalls import build; print(build())"],
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     failed = proc.returncode != 0
     if failed:
         last = proc.stdout.strip().splitlines()[-1:] or ["no output"]
         say(f"warning: the compiled calls were not built ({last[0][:200]}); the package calls ggml through ctypes")
     stamp = {**stamp, "fastcalls": {"key": key, "failed": failed}}
-    write_stamp(stamp)
+    write_stamp(venv, stamp)
     return stamp
 
 
@@ -574,20 +732,21 @@ def build_lock():
 
 
 def setup(flags: BuildFlags, jobs: int, extras: tuple[str, ...] = COMMAND_EXTRAS[None]) -> bool:
-    """Bring .venv/ up to date; return True when anything was done."""
+    """Bring the flavour's venv up to date; return True when anything was done."""
+    venv = flags.venv
     with build_lock():
-        before = read_stamp()
-        stamp = stage_venv(before)
+        before = read_stamp(venv)
+        stamp = stage_venv(venv, before)
         stamp = stage_ggml(stamp, flags, jobs)
-        fetched = stage_sources()
-        stamp = stage_project(stamp, extras)
-        stamp = stage_fastcalls(stamp)
-        carried = stage_carry(VENV_PY)
+        fetched = stage_sources(venv_python(venv))
+        stamp = stage_project(venv, stamp, extras)
+        stamp = stage_fastcalls(venv, stamp)
+        carried = stage_carry(venv_python(venv))
     return stamp != before or fetched or carried
 
 
-def summary() -> None:
-    proc = subprocess.run([str(VENV_PY), "-m", "kvcache_ggml", "info"], cwd=ROOT,
+def summary(venv: Path) -> None:
+    proc = subprocess.run([str(venv_python(venv)), "-m", "kvcache_ggml", "info"], cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise SetupError(f"the installed ggml does not load (python -m kvcache_ggml info exited "
@@ -598,10 +757,10 @@ def summary() -> None:
 
 def main(argv: list[str]) -> int:
     args, command, rest = parse_args(argv)
-    flags = BuildFlags(cuda=args.cuda, cuda_arch=str(args.cuda_arch), metal=args.metal, vulkan=args.vulkan,
-                       rpc=args.rpc)
     t0 = time.monotonic()
     try:
+        flags = BuildFlags(cuda=args.cuda, cuda_arch=str(args.cuda_arch), metal=args.metal, vulkan=args.vulkan,
+                           rpc=args.rpc, vulkan_headers=vulkan_headers_dir(args), avx2=args.avx2, asan=args.asan)
         if command == "carry":
             return main_carry()
         if command == "cmake-args":
@@ -611,17 +770,18 @@ def main(argv: list[str]) -> int:
         if did_work:
             say(f"set-up finished in {time.monotonic() - t0:.1f} s")
         if not args.quiet and (did_work or command is None):
-            summary()
+            summary(flags.venv)
     except SetupError as e:
         first, _, details = str(e).partition("\n")
         if details:
             print(details, file=sys.stderr)
         print(f"build.py: error: {first}", file=sys.stderr)
         return 2
+    py = str(venv_python(flags.venv))
     if command == "test":
-        return subprocess.call([str(VENV_PY), "-m", "pytest", *rest], cwd=ROOT)
+        return subprocess.call([py, "-m", "pytest", *rest], cwd=ROOT)
     if command == "demo":
-        return subprocess.call([str(VENV_PY), "-m", "kvcache_ggml", "demo", *rest], cwd=ROOT)
+        return subprocess.call([py, "-m", "kvcache_ggml", "demo", *rest], cwd=ROOT)
     return 0
 
 

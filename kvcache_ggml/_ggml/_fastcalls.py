@@ -32,7 +32,9 @@ from typing import Any
 
 __all__ = ["NAMES", "MODULE", "build", "build_module", "c_source", "load", "signature"]
 
-MODULE = "kvcache_ggml._ggml._ops_cffi"  # the compiled module (git-ignored, next to this file)
+# the compiled module: top level, in the site-packages of the venv whose ggml it links (each build.py flavour has
+# its venv, so a Vulkan or ASan venv never loads wrappers linked against another venv's libggml)
+MODULE = "_kvcache_ggml_ops"
 
 # the graph builders' calls (graph.py, gemma.py, the cache's views, stores, shifts and masks) and the step's compute
 NAMES: tuple[str, ...] = (
@@ -111,8 +113,8 @@ def _include_dir() -> Path:
     return found[-1]
 
 
-def build_module(functions: dict[str, Any], lib_dir: Path) -> Path:
-    """Compile the module into this package's folder; its path.  cffi and a C compiler are needed."""
+def build_module(functions: dict[str, Any], lib_dir: Path, dest_dir: Path) -> Path:
+    """Compile the module into ``dest_dir``; its path.  cffi and a C compiler are needed."""
     import cffi
 
     ffi = cffi.FFI()
@@ -122,7 +124,7 @@ def build_module(functions: dict[str, Any], lib_dir: Path) -> Path:
                    libraries=["ggml-base", "ggml"], extra_link_args=[f"-Wl,-rpath,{lib_dir}"])
     with tempfile.TemporaryDirectory(prefix="kv_fastcalls_") as tmp:
         built = Path(ffi.compile(tmpdir=tmp, verbose=False))
-        dest = Path(__file__).resolve().parent / built.name
+        dest = dest_dir / built.name
         shutil.copyfile(built, dest.with_suffix(".tmp"))
         dest.with_suffix(".tmp").replace(dest)
     return dest
@@ -142,6 +144,9 @@ def load(functions: dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 
 def build() -> Path:
-    """Build the module for the table of this installation (what ``build.py`` runs); its path."""
+    """Build the module for the table of this installation into this interpreter's site-packages (what
+    ``build.py`` runs); its path."""
+    import sysconfig
+
     from ._lib import FUNCTIONS, LIB_DIR
-    return build_module(FUNCTIONS, LIB_DIR)
+    return build_module(FUNCTIONS, LIB_DIR, Path(sysconfig.get_paths()["platlib"]))
