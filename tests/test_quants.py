@@ -40,8 +40,21 @@ def test_quantize_errors():
         G.quantize("q8_K", np.ones((2, 256), np.float32))
 
 
-# placement on an AVX2 CPU (ggml's repack.cpp): Q4_0 8x8, Q4_K 8x8, IQ4_NL 8x8; the others stay in CPU buffers
-REPACKED = {"q4_0", "q4_K", "iq4_nl"}
+# ggml's repack rules on x86 (ggml-cpu/repack.cpp, ggml_repack_get_optimal_repack_type), written out: weight type
+# -> (the CPU feature ggml-cpu must be built with, the row count ne[1] must be a multiple of).  Q4_0, Q4_K, IQ4_NL
+# and MXFP4 repack 8x8 with AVX2, Q2_K 8x8 with AVX-512F; every other type stays in plain CPU buffers on x86.
+X86_REPACK_RULES = {"q4_0": ("avx2", 8), "q4_K": ("avx2", 8), "iq4_nl": ("avx2", 8), "mxfp4": ("avx2", 8),
+                    "q2_K": ("avx512", 8)}
+
+
+def repacked(wtype: str, rows: int) -> bool:
+    """Whether ggml puts a [*, rows] matrix of wtype into CPU_REPACK on this machine, by the rules above and the
+    features ggml-cpu reports it was built with (an AVX2-only build and an AVX-512 one differ for q2_K)."""
+    rule = X86_REPACK_RULES.get(wtype)
+    if rule is None or not HAS_REPACK:
+        return False
+    feature, multiple = rule
+    return bool(getattr(G, f"ggml_cpu_has_{feature}")()) and rows % multiple == 0
 
 
 @pytest.mark.parametrize("wtype,tol", [("q4_0", 5e-2), ("q5_1", 5e-2), ("q2_K", 8e-2), ("q3_K", 5e-2),
@@ -56,10 +69,12 @@ def test_weight_types_run(tmp_path, wtype, tol):
         got = ctx.decode(Batch(token=toks, logits=np.ones(10, np.int8)))
         nxt = ctx.decode(Batch(token=toks[:1]))
     # matrices of the repacked types go to CPU_REPACK; norms and the embeddings (get_rows) never do
-    where = collections.Counter(placed[f"blk.{il}.{n}.weight"] for il in range(2)
-                                for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down"))
-    want = "CPU_REPACK" if (wtype in REPACKED and HAS_REPACK and G.ggml_cpu_has_avx2()) else "CPU"
-    assert where == {want: 12}
+    names = [f"blk.{il}.{n}.weight" for il in range(2)
+             for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")]
+    # the rows (ne[1]) of each matrix: q/output/up 256, k/v 2 heads x 64, down 256
+    rows = {"attn_q": 256, "attn_k": 128, "attn_v": 128, "attn_output": 256, "ffn_up": 256, "ffn_down": 256}
+    want = collections.Counter("CPU_REPACK" if repacked(wtype, rows[n.split(".")[2]]) else "CPU" for n in names)
+    assert collections.Counter(placed[n] for n in names) == want
     assert placed["token_embd.weight"] == placed["blk.0.attn_norm.weight"] == "CPU"
     ref = Reference(path)
     want_logits = ref.forward(np.append(toks, toks[0]))
