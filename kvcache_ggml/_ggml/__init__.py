@@ -15,7 +15,7 @@ from ._lib import (CALLS, DEFINED_IN, FAST, FUNCTIONS, GGML_PYTHON_VERSION, LIBR
                    WHY_NO_FAST, CgraphP, EvalCallback, TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
 from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_SRC, GGML_MEM_ALIGN,
                      GGML_OP_COUNT, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_NEOX,
-                     GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, DeviceType, GGMLOp, GGMLType,
+                     GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, BufferUsage, DeviceType, GGMLOp, GGMLType,
                      Status, blck_size, cpu_can_use, is_quantized, op_name, parse_type, quantize, row_size, type_name,
                      type_names, type_size)
 from ._tensor import (Tensor, addr, buffer, data_ptr, from_numpy, get_into, handle, header, header_words, host_bytes,
@@ -36,7 +36,7 @@ __all__ = sorted(FUNCTIONS) + [
     "EvalCallback", "TensorP", "ggml_init_params", "ggml_tensor", "has", "is_ctypes_type",
     "GGML_DEFAULT_GRAPH_SIZE", "GGML_MAX_DIMS", "GGML_MAX_NAME", "GGML_MAX_SRC", "GGML_MEM_ALIGN", "GGML_OP_COUNT",
     "GGML_ROPE_TYPE_IMROPE", "GGML_ROPE_TYPE_MROPE", "GGML_ROPE_TYPE_NEOX", "GGML_ROPE_TYPE_NORMAL",
-    "GGML_ROPE_TYPE_VISION", "GGML_TYPE_COUNT", "DeviceType", "GGMLOp", "GGMLType", "Status", "blck_size",
+    "GGML_ROPE_TYPE_VISION", "GGML_TYPE_COUNT", "BufferUsage", "DeviceType", "GGMLOp", "GGMLType", "Status", "blck_size",
     "cpu_can_use", "is_quantized", "op_name", "parse_type", "quantize", "row_size", "type_name", "type_names",
     "type_size",
     "Tensor", "addr", "buffer", "data_ptr", "from_numpy", "get_into", "handle", "header", "header_words", "host_bytes",

@@ -88,6 +88,7 @@ REQUIRED: tuple[str, ...] = (
     "ggml_backend_buft_get_device",
     "ggml_backend_buffer_name", "ggml_backend_buffer_get_size", "ggml_backend_buffer_get_base",
     "ggml_backend_buffer_clear", "ggml_backend_buffer_free", "ggml_backend_buffer_is_host",
+    "ggml_backend_buffer_set_usage", "ggml_backend_buffer_get_usage",
     "ggml_backend_buffer_get_type", "ggml_backend_buffer_get_alignment",
     # ggml-alloc.h
     "ggml_backend_alloc_ctx_tensors_from_buft", "ggml_backend_alloc_ctx_tensors_from_buft_size",
@@ -112,7 +113,7 @@ REQUIRED: tuple[str, ...] = (
     "ggml_backend_reg_dev_count", "ggml_backend_reg_dev_get", "ggml_backend_reg_get_proc_address",
     "ggml_backend_dev_supports_op",
     # ggml-cpu.h: what the CPU backend was built with (llama.cpp builds it with llamafile's sgemm)
-    "ggml_cpu_has_llamafile", "ggml_cpu_has_avx2",
+    "ggml_cpu_has_llamafile", "ggml_cpu_has_avx2", "ggml_cpu_has_avx512",
     # ggml.h: quantization (the model maker)
     "ggml_quantize_chunk", "ggml_quantize_requires_imatrix", "ggml_quantize_init", "ggml_validate_row_data",
     # ggml.h / ggml-cpu.h: type traits (which weight types have CPU kernels)

@@ -14,7 +14,7 @@ import numpy as np
 from ._lib import CALLS as _F
 from ._lib import EvalCallback, ggml_init_params, ggml_tensor
 from ._tensor import Tensor, encode_name, new_tensor
-from ._types import GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_NAME, DeviceType, Status, _cstr
+from ._types import GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_NAME, BufferUsage, DeviceType, Status, _cstr
 
 TENSOR_ALIGNMENT = 32  # ggml-impl.h: data of CPU buffers made from a pointer must be aligned to this
 _HUGE_PAGE = 2 << 20   # x86-64 / arm64 transparent huge page (PMD) size
@@ -218,6 +218,16 @@ class BackendBuffer(_Owner):
     @property
     def buft(self) -> int:
         return _F["ggml_backend_buffer_get_type"](self.ptr)
+
+    @property
+    def usage(self) -> BufferUsage:
+        return BufferUsage(_F["ggml_backend_buffer_get_usage"](self.ptr))
+
+    @usage.setter
+    def usage(self, value: BufferUsage) -> None:
+        """ggml_backend_buffer_set_usage: a model's weight buffers are WEIGHTS, so that the scheduler runs each op
+        on the backend holding its weight (and never copies a weight, which a repacked one cannot be)."""
+        _F["ggml_backend_buffer_set_usage"](self.ptr, int(BufferUsage(value)))
 
     @property
     def in_cpu_memory(self) -> bool:

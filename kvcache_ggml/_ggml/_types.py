@@ -48,6 +48,14 @@ class Status(IntEnum):
     ABORTED = _decl.GGML_STATUS_ABORTED
 
 
+class BufferUsage(IntEnum):
+    """enum ggml_backend_buffer_usage: what a buffer holds, which the scheduler reads (WEIGHTS: an op using a
+    weight runs on the weight's backend)"""
+    ANY = _decl.GGML_BACKEND_BUFFER_USAGE_ANY
+    WEIGHTS = _decl.GGML_BACKEND_BUFFER_USAGE_WEIGHTS
+    COMPUTE = _decl.GGML_BACKEND_BUFFER_USAGE_COMPUTE
+
+
 class DeviceType(IntEnum):
     """enum ggml_backend_dev_type"""
     CPU = _decl.GGML_BACKEND_DEVICE_TYPE_CPU

@@ -224,6 +224,10 @@ class Model:
                 self.tensors[name] = pl.ctx.new_tensor(rt.type, rt.ne, name)  # GGUF stores dims in ne order
             # a repacking buffer type rearranges the data in ggml_backend_tensor_set
             pl.buf = G.BackendBuffer.for_context(pl.ctx, pl.buft)
+            # as llama.cpp's load_tensors: the scheduler keeps each op that uses a weight on the weight's backend
+            # (without it, an op next to another backend's layers may be moved there and its weight copied over --
+            # from CPU_REPACK, whose buffers cannot be read back, a NULL call)
+            pl.buf.usage = G.BufferUsage.WEIGHTS
             for name in pl.names:
                 t = self.tensors[name]
                 _upload(t, reader.data(name, G.nbytes(t)), name)
