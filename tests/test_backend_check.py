@@ -11,7 +11,8 @@ import pytest
 from kvcache_ggml import _ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, make_model
-from kvcache_ggml.runtime.backend_check import CONFIGS, MODELS, ParityRow, Lockstep, main_step_times, runtime_parity
+from kvcache_ggml.runtime.backend_check import (CONFIGS, QUICK_MODELS, ParityRow, Lockstep, logit_tolerance,
+                                                main_step_times, runtime_parity)
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 
 needs_rpc = pytest.mark.skipif(not G.rpc_available(), reason="ggml built without RPC")
@@ -19,14 +20,39 @@ needs_rpc = pytest.mark.skipif(not G.rpc_available(), reason="ggml built without
 
 @needs_rpc
 def test_runtime_on_rpc_equals_the_cpu(tmp_path):
-    rows = runtime_parity("rpc", tmp_path, threads=1)
+    rows = runtime_parity("rpc", tmp_path, threads=1, models=QUICK_MODELS, n_gen=12)
     # the tiny model's head of 16 cannot hold q8_0 blocks: its q8_0-cache configuration is left out
-    assert [(r.model, r.config) for r in rows] == [(m, c.name) for m in MODELS for c in CONFIGS
+    assert [(r.model, r.config) for r in rows] == [(m, c.name) for m in QUICK_MODELS for c in CONFIGS
                                                    if not (m == "tiny f32" and c.type_kv == "q8_0")]
     for r in rows:
         assert r.steps == 13 and r.rows == sum((9, 17, 5)) + 12 * 4  # prompt rows, then 4 sequences x 12 steps
         assert (r.rel_err, r.agree, r.ambiguous, r.failures) == (0.0, r.rows, 0, []) and r.passed
         assert "RPC" in r.devices
+
+
+def test_weight_buffers_are_weights(tmp_path):
+    """Every weight buffer tells the scheduler it holds weights (llama.cpp's load_tensors): ops using a weight then
+    stay on the weight's backend."""
+    path = make_model(tmp_path / "q.gguf", ModelSpec(layers=1, embd=64, heads=2, heads_kv=1, ff=64, vocab=48,
+                                                     type="q4_0"))
+    with Model(path) as m:
+        assert m.buffers() and {b.usage for b in m.buffers()} == {G.BufferUsage.WEIGHTS}
+
+
+@needs_rpc
+def test_split_model_on_rpc_equals_the_cpu(tmp_path):
+    """Half the layers of a Q4_0 model (repacked on the CPU where ggml repacks it) on an RPC server: the scheduler
+    runs two backends over one graph.  Before weight buffers were marked, ops of the CPU's layers could be moved to
+    the other backend and their repacked weights copied: a NULL call.  The server keeps Q4_0 in its plain layout
+    and multiplies with the plain kernel, which sums in another order than the repacked one: the logits agree within
+    the quantized-weight tolerance, not bit for bit."""
+    rows = runtime_parity("rpc", tmp_path, threads=1, configs=CONFIGS[:2], models=("llama q4_0",), n_gen=4,
+                          split="half")
+    assert len(rows) == 2
+    for r in rows:
+        assert r.failures == [] and r.steps == 5 and r.agree + r.ambiguous == r.rows, r
+        assert r.rel_err < logit_tolerance("q4_0", "f16", "cuda"), r
+        assert "CPU" in r.devices and "RPC" in r.devices
 
 
 def test_lockstep_measures_the_difference(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from kvcache_ggml import _ggml as G
 from kvcache_ggml import parity as P
-from kvcache_ggml.backends import PlacementError, local_rpc_server
+from kvcache_ggml.backends import PlacementError, backend_status, local_rpc_server
 
 CFG = P.ParityConfig(seed=3)
 TYPES = ["f16", "q8_0"]
@@ -149,9 +149,14 @@ def test_run_parity_report_lists_skips(rpc_server):
 
 
 def test_cli(capsys):
-    assert P.main(["--backends", "cpu,vulkan", "--types", "f16", "--quiet"]) == 0
-    out = capsys.readouterr().out
+    vulkan = backend_status("vulkan")
+    runs = vulkan.built and not vulkan.reason
+    # a backend named on the command line that cannot run fails the run; one that runs must pass
+    assert P.main(["--backends", "cpu,vulkan", "--types", "f16", "--quiet"]) == (0 if runs else 1)
+    out, err = capsys.readouterr()
     assert "| cpu | f16 | 0 | 0 | 0 | 0 | 0 | 0 | 0 |" in out and "vulkan" in out
+    if not runs:
+        assert "SKIPPED" in out and "named backend(s) vulkan could not run" in err
     assert P.main(["--backends", "cpu", "--types", "q3_x"]) == 2
     assert "unknown ggml type name" in capsys.readouterr().err
     assert P.main(["--backends", "tpu", "--types", "f16"]) == 2

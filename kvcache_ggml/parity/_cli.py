@@ -12,11 +12,15 @@ from ._compare import _check_types, run_parity
 from ._config import ParityConfig
 
 
+_ALL = "cpu,rpc,cuda,metal,vulkan"
+
+
 def main(argv: list[str]) -> int:
     summary = sys.modules[__package__].__doc__.split("\n\n")[0]  # the package docstring's first paragraph
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml parity", description=summary)
-    ap.add_argument("--backends", default="cpu,rpc,cuda,metal,vulkan",
-                    help="backends to compare with the CPU (default: %(default)s); unavailable ones are skipped")
+    ap.add_argument("--backends", default=None,
+                    help=f"backends to compare with the CPU; a named backend that cannot run (not built, no device) "
+                         f"fails the run (default: {_ALL}, each skipped when unavailable)")
     ap.add_argument("--types", default="f16,q8_0", help="cache types (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="trace seed (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per scheduler (default: %(default)s)")
@@ -43,7 +47,7 @@ def main(argv: list[str]) -> int:
         bc = BenchConfig(n_layer=args.bench_layers, kv_size=args.bench_kv_size, reps=args.bench_reps,
                          n_threads=args.threads)
         try:
-            rows, skipped = run_bench(args.backends.split(","), _check_types(args.types.split(","), ParityConfig()),
+            rows, skipped = run_bench((args.backends or _ALL).split(","), _check_types(args.types.split(","), ParityConfig()),
                                       bc, rpc_spec=args.rpc, log=say)
         except (ValueError, RuntimeError) as e:
             print(f"parity --bench: error: {e}", file=sys.stderr)
@@ -56,9 +60,11 @@ def main(argv: list[str]) -> int:
         for name, reason in skipped:
             print(f"skipped {name}: {reason}")
         return 0
+    named = args.backends is not None
+    backends = (args.backends if named else _ALL).split(",")
     cfg = ParityConfig(seed=args.seed, n_threads=args.threads)
     try:
-        report = run_parity(args.backends.split(","), args.types.split(","), cfg, rpc_spec=args.rpc,
+        report = run_parity(backends, args.types.split(","), cfg, rpc_spec=args.rpc,
                             split=args.split, log=say)
     except (ValueError, RuntimeError) as e:
         print(f"parity: error: {e}", file=sys.stderr)
@@ -68,4 +74,8 @@ def main(argv: list[str]) -> int:
               f"n_head_kv {list(cfg.n_head_kv)}, caches of {cfg.kv_size_unified} cells (1 stream) and "
               f"{cfg.kv_size_streams} cells x 3 streams; {time.perf_counter() - t0:.1f} s\n")
     print(report.table())
+    if named and report.skipped:
+        print(f"parity: FAIL: named backend(s) {', '.join(b for b, _ in report.skipped)} could not run",
+              file=sys.stderr)
+        return 1
     return 0 if report.passed else 1

@@ -1,18 +1,23 @@
 """The runtime on a backend against the CPU, and where a decode step's time goes (the GPU check's second half).
 
-``python -m kvcache_ggml runtime-parity --backend cuda``: the same scenario runs in lockstep on two contexts -- the
-model on the CPU, and the model with every layer (and its cache) on the backend -- and their logits are compared
-at every step.  Scenario: a prompt batch of three sequences (every token an output), a fork of sequence 0 into 3
-(``seq_cp``: a stream copy with per-sequence streams), greedy decoding of all four, a context shift of sequence 1
-half-way (the K-shift runs on the backend), and a whole-state save / clear / restore before the last step.  Both
-contexts are fed the CPU's greedy tokens (teacher forcing), so one difference cannot derail the rest.
+``python -m kvcache_ggml runtime-parity --backend cuda [--split all|half] [--steps N] [--models ...]``: the same
+scenario runs in lockstep on two contexts -- the model on the CPU, and the model with its layers (and their cache)
+on the backend: all of them, or with ``--split half`` the last half as llama.cpp's ``n_gpu_layers = n_layer/2 + 1``
+places them -- and their logits are compared at every step.  Scenario: a prompt batch of three sequences (every
+token an output), a fork of sequence 0 into 3 (``seq_cp``: a stream copy with per-sequence streams), greedy decoding
+of all four for ``--steps`` steps (64 by default), a context shift of sequence 1 half-way (the K-shift runs on the
+backend), and a whole-state save / clear / restore before the last step.  Both contexts are fed the CPU's greedy
+tokens (teacher forcing), so one difference cannot derail the rest.
 
-Configurations: flash attention with an F16 and a Q8_0 cache in per-sequence streams, and mul_mat + soft_max
-with an F32 cache in one unified stream (a Q8_0 cache only where the head size holds whole blocks: not the tiny
-model's 16).  Per model and configuration it reports the largest logit difference relative to the largest CPU logit, and how
-often the backend's greedy token equals the CPU's.  A token may differ only where the CPU's two best logits are
-closer than twice that row's largest difference (a near tie: "ambiguous").  Models: the demo's tiny F32 llama and
-a Q8_0-quantized llama, both from :func:`~kvcache_ggml.runtime.modelmaker.make_model`.
+Configurations: flash attention with an F16 and a Q8_0 cache in per-sequence streams, mul_mat + soft_max with an
+F16 cache in one unified stream, and mul_mat + soft_max with an F32 cache in one unified stream (a Q8_0 cache only
+where the head size holds whole blocks: not the tiny model's 16; a quantized V cache needs flash attention, as in
+llama.cpp).  Per model and configuration it reports the largest logit difference relative to the largest CPU logit,
+and how often the backend's greedy token equals the CPU's.  A token may differ only where the CPU's two best logits
+are closer than twice that row's largest difference (a near tie: "ambiguous").  Models (:data:`MODELS`): llama with
+F32, Q8_0, Q4_0 and Q4_K weights (:func:`~kvcache_ggml.runtime.modelmaker.make_model`) and a Gemma 3 with sliding-
+window layers (an iSWA cache; :func:`~kvcache_ggml.runtime.gemma_maker.make_gemma_model`), loaded through their
+architecture's model class.
 
 ``python -m kvcache_ggml step-times --backends cpu,cuda``: a Q8_0 llama decoding one token per sequence for 1 and
 8 sequences; per step our host time (batch splits, cache bookkeeping, memory updates, input setting, graph build)
@@ -40,20 +45,30 @@ from .. import _ggml as G
 from ..backends import PlacedModel, PlacementError, local_rpc_server
 from ..batch import Batch
 from ..hparams import HParams
+from .arch import load_model
 from .context import Context
+from .gemma_maker import GemmaSpec, make_gemma_model
 from .model import Model
 from .modelmaker import ModelSpec, make_model
 
-__all__ = ["RunConfig", "CONFIGS", "MODELS", "TIMING_MODEL", "ParityRow", "Lockstep", "StepRow", "logit_tolerance",
-           "placed_model", "runtime_parity", "parity_table", "step_times", "steps_table", "main_parity",
-           "main_step_times"]
+__all__ = ["RunConfig", "CONFIGS", "MODELS", "QUICK_MODELS", "TIMING_MODEL", "ParityRow", "Lockstep", "StepRow",
+           "logit_tolerance", "placed_model", "write_model", "runtime_parity", "parity_table", "step_times",
+           "steps_table", "main_parity", "main_step_times"]
 
-# the demo's tiny model (F32 weights) and a quantized llama-family model whose head of 64 is one that ggml's CUDA
-# flash attention has kernels for (the tiny model's 16 is not: its flash attention falls back to the CPU there)
-MODELS: dict[str, ModelSpec] = {
+# the demo's tiny model (F32 weights), llama-family models with quantized weights whose head of 64 is one that ggml's
+# CUDA flash attention has kernels for (the tiny model's 16 is not: its flash attention falls back to the CPU there),
+# and a Gemma 3 whose even layers slide over a window of 16 (an iSWA cache; the context shift needs swa_full, the
+# runtime's default)
+_LLAMA_Q = dict(layers=4, embd=512, heads=8, heads_kv=2, ff=1024, vocab=512)
+MODELS: dict[str, ModelSpec | GemmaSpec] = {
     "tiny f32": ModelSpec(layers=4, embd=128, heads=8, heads_kv=4, ff=256, vocab=256, seed=0),
-    "llama q8_0": ModelSpec(layers=4, embd=512, heads=8, heads_kv=2, ff=1024, vocab=512, seed=1, type="q8_0"),
+    "llama q8_0": ModelSpec(**_LLAMA_Q, seed=1, type="q8_0"),
+    "llama q4_0": ModelSpec(**_LLAMA_Q, seed=2, type="q4_0"),
+    "llama q4_K": ModelSpec(**_LLAMA_Q, seed=4, type="q4_K"),
+    "gemma3 f32": GemmaSpec(arch="gemma3", layers=4, embd=256, heads=4, heads_kv=2, head_dim=64, ff=512, vocab=256,
+                            seed=5, n_swa=16, swa_period=2, final_softcap=0.0),
 }
+QUICK_MODELS = ("tiny f32", "llama q8_0")  # the default suite's RPC run: the CPU's own code, every logit equal
 # the model of the timing table: small enough to make in seconds, attention shapes of a real llama (head 64, GQA 4)
 TIMING_MODEL = ModelSpec(layers=8, embd=512, heads=8, heads_kv=2, ff=1536, vocab=4096, seed=3, type="q8_0")
 
@@ -70,24 +85,33 @@ class RunConfig:
 
 CONFIGS: tuple[RunConfig, ...] = (
     RunConfig("flash attn, f16 cache, 4 streams", True, "f16", False),
+    RunConfig("no flash attn, f16 cache, unified", False, "f16", True),
     RunConfig("no flash attn, f32 cache, unified", False, "f32", True),
     RunConfig("flash attn, q8_0 cache, 4 streams", True, "q8_0", False),
 )
 _N_SEQ = 4          # sequences of the scenario (0-2 prompted, 3 forked from 0)
 _PROMPTS = (9, 17, 5)
-_N_GEN = 12         # greedy steps
-_SHIFT_AT = 6       # the context shift of sequence 1 comes before this step
+N_GEN = 64          # greedy steps (the context shift of sequence 1 comes half-way)
+_CELLS_PER_SEQ = 128  # n_ctx / n_seq_max: room for the longest prompt and N_GEN steps
 
 
-def logit_tolerance(weights: str, type_kv: str) -> float:
+def logit_tolerance(weights: str, type_kv: str, backend: str = "cuda") -> float:
     """Largest |logit difference| / max |CPU logit| that passes.
 
     The backend's matrix products and attention round in their own order (cuBLAS, tensor cores, flash-attention
-    tiles), an F16 cache rounds K/V, and with Q8_0 weights a GPU quantizes activations to Q8_1 blocks where the CPU
-    uses Q8_0: differences then reach about one activation quantization step.  First estimates; the GPU check's
-    table shows the figures measured.
+    tiles), an F16 cache rounds K/V, and with quantized weights a GPU quantizes activations to Q8_1 blocks (or
+    multiplies dequantized F16 weights) where the CPU quantizes them to Q8_0: differences then reach about one
+    activation quantization step.  Vulkan multiplies in F16 wherever the device has F16 arithmetic (ggml-vulkan's
+    ``matmul_f16_f16acc`` and its F16 flash attention, lavapipe included: activations rounded to F16, F16
+    accumulation), which is several times the rounding of CUDA's F32-accumulating kernels; its figures were measured
+    on lavapipe (docs/parity.md).  RPC runs the CPU's own code: every logit must be equal.
     """
-    if weights == "q8_0" or type_kv == "q8_0":
+    if backend == "rpc":
+        return 0.0
+    quantized = weights != "f32" or type_kv == "q8_0"
+    if backend == "vulkan":
+        return 1.5e-1 if quantized else 1.5e-2
+    if quantized:
         return 3e-2
     return 5e-3 if type_kv == "f16" else 1e-3
 
@@ -95,17 +119,26 @@ def logit_tolerance(weights: str, type_kv: str) -> float:
 # ============================================================================================== placement
 
 @contextlib.contextmanager
-def placed_model(path: Path, backend: str, threads: int) -> Iterator[Model]:
-    """The GGUF at ``path`` with every layer on ``backend`` ("cpu", "cuda", "rpc": a loopback server for the
-    block, ...); PlacementError when the backend is not built or has no device."""
+def placed_model(path: Path, backend: str, threads: int, split: str = "all") -> Iterator[Model]:
+    """The GGUF at ``path``, loaded by its architecture's model class, with its layers on ``backend`` ("cpu",
+    "cuda", "vulkan", "rpc": a loopback server for the block, ...): all of them, or with ``split="half"`` the last
+    ``n_layer // 2 + 1`` of the layers and the output as llama.cpp's n_gpu_layers places them; PlacementError when
+    the backend is not built or has no device."""
     from ..parity import make_target  # the placements of the parity harness: the same resolution and errors
 
     hp = HParams.from_gguf(path)
     with contextlib.ExitStack() as stack:
         spec = stack.enter_context(local_rpc_server(threads=threads)).spec if backend == "rpc" else None
-        pm = PlacedModel(hp, make_target(backend, hp.n_layer, spec, "all").placement)
-        with Model(path, dev_layer=pm.dev_layer, dev_output=pm.dev_output) as model:
+        pm = PlacedModel(hp, make_target(backend, hp.n_layer, spec, split).placement)
+        with load_model(path, dev_layer=pm.dev_layer, dev_output=pm.dev_output) as model:
             yield model
+
+
+def write_model(folder: Path, key: str) -> Path:
+    """The GGUF of MODELS[key], written into ``folder``."""
+    spec = MODELS[key]
+    path = folder / f"{key.replace(' ', '-')}.gguf"
+    return make_gemma_model(path, spec) if isinstance(spec, GemmaSpec) else make_model(path, spec)
 
 
 # ============================================================================================== parity
@@ -170,7 +203,7 @@ class Lockstep:
             c.state_set_data(blob)
 
 
-def _scenario(ls: Lockstep, vocab: int, seed: int) -> None:
+def _scenario(ls: Lockstep, vocab: int, seed: int, n_gen: int = N_GEN) -> None:
     """Prompts, a fork, greedy steps with a context shift, a state round trip (see the module docstring)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, vocab, n).astype(np.int32) for n in _PROMPTS]
@@ -183,10 +216,10 @@ def _scenario(ls: Lockstep, vocab: int, seed: int) -> None:
     ls.both("memory_seq_cp", 0, 3, -1, -1)
     last[3] = last[0]
     seqs = np.arange(_N_SEQ, dtype=np.int32)
-    for step in range(_N_GEN):
-        if step == _SHIFT_AT:
+    for step in range(n_gen):
+        if step == n_gen // 2:
             ls.both("context_shift", 1, 2, 4)
-        if step == _N_GEN - 1:
+        if step == n_gen - 1:
             ls.state_round_trip()
         pos = np.array([ls.ref.memory_seq_pos_max(s) + 1 for s in seqs], np.int32)
         out = ls.decode(Batch(token=np.array([last[s] for s in seqs], np.int32), pos=pos, seq_id=seqs,
@@ -199,26 +232,35 @@ def _devices(model: Model) -> str:
 
 
 def _context(model: Model, cfg: RunConfig, threads: int) -> Context:
-    return Context(model, n_ctx=_N_SEQ * 64, n_batch=256, n_ubatch=64, n_seq_max=_N_SEQ, kv_unified=cfg.unified,
-                   flash_attn=cfg.flash_attn, type_k=cfg.type_kv, type_v=cfg.type_kv, n_threads=threads,
-                   n_threads_batch=threads)
+    return Context(model, n_ctx=_N_SEQ * _CELLS_PER_SEQ, n_batch=256, n_ubatch=64, n_seq_max=_N_SEQ,
+                   kv_unified=cfg.unified, flash_attn=cfg.flash_attn, type_k=cfg.type_kv, type_v=cfg.type_kv,
+                   n_threads=threads, n_threads_batch=threads)
 
 
-def runtime_parity(backend: str, folder: Path, threads: int = 1,
-                   configs: Sequence[RunConfig] = CONFIGS) -> list[ParityRow]:
-    """Every model of MODELS (written into ``folder``) and every configuration: ``backend`` against the CPU."""
+def runtime_parity(backend: str, folder: Path, threads: int = 1, configs: Sequence[RunConfig] = CONFIGS,
+                   models: Sequence[str] = tuple(MODELS), n_gen: int = N_GEN, split: str = "all") -> list[ParityRow]:
+    """Each model of ``models`` (keys of MODELS, written into ``folder``) and every configuration: ``backend``
+    (all layers, or ``split="half"``) against the CPU, ``n_gen`` greedy steps each."""
+    if not 2 <= n_gen <= _CELLS_PER_SEQ - max(_PROMPTS):
+        raise ValueError(f"n_gen must be in [2, {_CELLS_PER_SEQ - max(_PROMPTS)}], got {n_gen}")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {', '.join(unknown)}; models: {', '.join(MODELS)}")
     rows = []
-    for key, spec in MODELS.items():
-        path = make_model(folder / f"{key.replace(' ', '-')}.gguf", spec)
-        with placed_model(path, "cpu", threads) as ref_model, placed_model(path, backend, threads) as dev_model:
+    for key in models:
+        spec = MODELS[key]
+        path = write_model(folder, key)
+        with placed_model(path, "cpu", threads) as ref_model, \
+                placed_model(path, backend, threads, split) as dev_model:
             for cfg in configs:
                 if spec.head_dim % G.blck_size(cfg.type_kv):  # a quantized cache needs whole blocks per head
                     continue
-                row = ParityRow(key, cfg.name, logit_tolerance(spec.type, cfg.type_kv), devices=_devices(dev_model))
+                row = ParityRow(key, cfg.name, logit_tolerance(spec.type, cfg.type_kv, backend),
+                                devices=_devices(dev_model))
                 t0 = time.perf_counter()
                 try:
                     with _context(ref_model, cfg, threads) as ref, _context(dev_model, cfg, threads) as dev:
-                        _scenario(Lockstep(ref, dev, row), spec.vocab, spec.seed)
+                        _scenario(Lockstep(ref, dev, row), spec.vocab, spec.seed, n_gen)
                 except Exception as e:  # noqa: BLE001 -- a failed decode fails this row; the others still run
                     row.failures.append(f"after {row.steps} steps: {type(e).__name__}: {e}")
                 row.seconds = time.perf_counter() - t0
@@ -335,18 +377,32 @@ def _args(prog: str, doc: str, argv: list[str],
 
 def main_parity(argv: list[str]) -> int:
     """``runtime-parity``: the runtime on a backend against the CPU; exit 0 when every row passes."""
-    a = _args("runtime-parity", "The runtime on a backend against the CPU: logits and greedy tokens.", argv,
-              lambda ap: ap.add_argument("--backend", default="cuda", help="cuda, rpc, vulkan, metal, cpu "
-                                                                           "(default: %(default)s)"))
+    def extra(ap: argparse.ArgumentParser) -> None:
+        ap.add_argument("--backend", default="cuda", help="cuda, rpc, vulkan, metal, cpu (default: %(default)s)")
+        ap.add_argument("--split", choices=("all", "half"), default="all",
+                        help="layers on the backend: all, or the last half (n_gpu_layers = n_layer/2 + 1) with the "
+                             "rest and their cache on the CPU (default: %(default)s)")
+        ap.add_argument("--steps", type=int, default=N_GEN, help="greedy steps (default: %(default)s)")
+        ap.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: %(default)s)")
+        ap.add_argument("--configs", default="", help="comma-separated indices into the configurations "
+                        f"({'; '.join(f'{i}: {c.name}' for i, c in enumerate(CONFIGS))}; default: all)")
+
+    a = _args("runtime-parity", "The runtime on a backend against the CPU: logits and greedy tokens.", argv, extra)
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvcache_rt_") as tmp:
         try:
-            rows = runtime_parity(a.backend, Path(tmp), a.threads)
+            configs = [CONFIGS[int(i)] for i in a.configs.split(",")] if a.configs else list(CONFIGS)
+            rows = runtime_parity(a.backend, Path(tmp), a.threads, configs, models, a.steps, a.split)
         except PlacementError as e:
             print(f"runtime-parity: {a.backend} cannot run: {e}", file=sys.stderr)
             return 2
-    print(f"runtime parity, {a.backend} against the CPU: models {', '.join(MODELS)}; {_N_SEQ} sequences, "
-          f"{_N_GEN} greedy steps, context shift, fork, state round trip; {time.perf_counter() - t0:.1f} s\n")
+        except (ValueError, IndexError) as e:
+            print(f"runtime-parity: error: {e}", file=sys.stderr)
+            return 2
+    print(f"runtime parity, {a.backend} ({a.split} layers) against the CPU: models {', '.join(models)}; {_N_SEQ} "
+          f"sequences, {a.steps} greedy steps, context shift, fork, state round trip; "
+          f"{time.perf_counter() - t0:.1f} s\n")
     print(parity_table(a.backend, rows))
     return 0 if all(r.passed for r in rows) else 1
 

@@ -150,6 +150,10 @@ class Model:
         del cparams, il
         return self.rope_freqs
 
+    def buffers(self) -> list[G.BackendBuffer]:
+        """The backend buffers holding the weights, one per buffer type used."""
+        return [pl.buf for pl in self._placements if pl.buf is not None]
+
     def devices(self) -> list[int]:
         """Distinct devices holding weights, in first-use order (the CPU included when it holds any)."""
         seen: list[int] = []
