@@ -200,7 +200,7 @@ def pip(*args: str, python: Path | str) -> list[str]:
 # ---- checks of the host -------------------------------------------------------------------------------------
 
 VULKAN_HEADERS_ENV = "KVCACHE_VULKAN_HEADERS"
-# ggml-vulkan (ggml 0.9.x) uses vk::LayerSettingEXT (VK_EXT_layer_settings): Vulkan-Hpp 1.3.261 and later
+# ggml-vulkan (ggml 0.9.x) uses vk::LayerSettingEXT (VK_EXT_layer_settings): Vulkan-Hpp 1.3.268 and later
 VULKAN_NEEDS = "LayerSettingEXT"
 
 
@@ -234,7 +234,7 @@ def check_vulkan_toolchain(flags: BuildFlags) -> None:
             if (inc / "vulkan" / "vulkan_core.h").is_file() else None
         have = f"1.x.{m.group(1)}" if m else "of unknown version"
         raise SetupError(f"the Vulkan headers at {inc} ({have}) lack vk::{VULKAN_NEEDS}, which ggml-vulkan needs "
-                         f"(Vulkan-Hpp >= 1.3.261): run scripts/vulkan_sw.sh as root and pass the folder it prints "
+                         f"(Vulkan-Hpp >= 1.3.268): run scripts/vulkan_sw.sh as root and pass the folder it prints "
                          f"with --vulkan-headers (or ${VULKAN_HEADERS_ENV})")
 
 def find_tool(env_var: str, names: tuple[str, ...]) -> str | None:

@@ -21,7 +21,8 @@
 #              (a rerun on the same machine is incremental; with the same arguments it is skipped)
 #   devices    python -m kvcache_ggml info lists the backend's device
 #   parity     python -m kvcache_ggml parity: the cache, CUDA vs CPU, f16/q8_0/f32 caches
-#   runtime    python -m kvcache_ggml runtime-parity: logits and greedy tokens, tiny F32 and Q8_0 llama models
+#   runtime    python -m kvcache_ggml runtime-parity: logits and greedy tokens, tiny F32 and Q8_0 llama models, 12
+#              steps (GPU_CHECK_RUNTIME_ARGS replaces those options: '--steps 64' runs every model of MODELS)
 #   steps      python -m kvcache_ggml step-times: host time per decode step beside the compute time, 1 and 8 seqs
 #   bench      (extra, when time is left) python -m kvcache_ggml parity --bench: a model-sized cache's graph ops
 # Environment: GPU_CHECK_BACKEND=rpc builds ggml with CPU + RPC (no CUDA) and checks a loopback RPC server instead:
@@ -245,7 +246,8 @@ if ((BUILD_OK)); then
         fail=1
     fi
     run runtime "$(cap 90 $(($(left) - 50)))" \
-        "$VPY" -m kvcache_ggml runtime-parity --backend "$BACKEND" --threads "$JOBS"
+        "$VPY" -m kvcache_ggml runtime-parity --backend "$BACKEND" --threads "$JOBS" \
+        ${GPU_CHECK_RUNTIME_ARGS:---models "tiny f32,llama q8_0" --steps 12}
     # shellcheck disable=SC2086  # the extra arguments are words
     run steps "$(cap 90 $(($(left) - 5)))" \
         "$VPY" -m kvcache_ggml step-times --backends "cpu,$BACKEND" --threads "$JOBS" ${GPU_CHECK_STEP_ARGS:-}

@@ -4,7 +4,7 @@
 #
 #   sudo scripts/vulkan_sw.sh [DEST]      # DEST: where newer headers go when needed (default /opt/kvcache-vulkan)
 #
-# Everything comes from the distribution's package registry. ggml-vulkan needs Vulkan-Hpp >= 1.3.261
+# Everything comes from the distribution's package registry. ggml-vulkan needs Vulkan-Hpp >= 1.3.268
 # (vk::LayerSettingEXT); when the system's libvulkan-dev is older (Debian 12: 1.3.239; Ubuntu 22.04: 1.3.204), the
 # next release's libvulkan-dev is fetched with `apt-get download` through a private apt configuration (its own
 # sources list, package lists and cache under DEST; the system's apt sources, lists and installed packages are not
@@ -27,7 +27,7 @@ die() { echo "vulkan_sw.sh: error: $*" >&2; exit 1; }
 
 [[ $(id -u) == 0 ]] || die "run as root (it installs ${PKGS[*]} with apt-get)"
 command -v apt-get >/dev/null || die "apt-get not found: this script knows Debian and Ubuntu only (elsewhere: the \
-LunarG Vulkan SDK >= 1.3.261 and your distribution's Mesa lavapipe driver)"
+LunarG Vulkan SDK >= 1.3.268 and your distribution's Mesa lavapipe driver)"
 . /etc/os-release
 CODENAME=${VERSION_CODENAME:-}
 
@@ -58,7 +58,7 @@ case "$ID:$CODENAME" in
                      KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg ;;
     ubuntu:jammy)    SUITE="noble"; MIRROR="http://archive.ubuntu.com/ubuntu"; COMP=main
                      KEYRING=/usr/share/keyrings/ubuntu-archive-keyring.gpg ;;
-    *) die "no newer release known for $ID $CODENAME: install libvulkan-dev >= 1.3.261 (or the LunarG SDK) and \
+    *) die "no newer release known for $ID $CODENAME: install libvulkan-dev >= 1.3.268 (or the LunarG SDK) and \
 pass its include folder to build.py --vulkan-headers" ;;
 esac
 [[ -f $KEYRING ]] || die "$KEYRING not found (the distribution's archive keyring verifies the download)"

@@ -1,5 +1,12 @@
-"""Test-wide settings: under CI (CI=true) hypothesis replays a fixed set of examples, so a run is reproducible."""
+"""Test-wide settings: under CI (CI=true) hypothesis replays a fixed set of examples, so a run is reproducible.
+
+ggml lists no CPU-type Vulkan device (Mesa's lavapipe, the software device the Vulkan tests run on without a GPU)
+unless GGML_VK_VISIBLE_DEVICES names it; it must be set before ggml enumerates its devices, so here, before any test
+module imports ggml.  A value already set (a real GPU's index) is kept.
+"""
 import os
+
+os.environ.setdefault("GGML_VK_VISIBLE_DEVICES", "0")
 
 from hypothesis import settings
 

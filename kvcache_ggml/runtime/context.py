@@ -401,6 +401,19 @@ class Context:
                              f"{np.flatnonzero(self.output_ids >= 0).tolist()})")
         return self.logits[self.output_ids[i]]
 
+    def node_backends(self) -> list[tuple[str, str, str]]:
+        """(node name, op name, backend name) of every node of the graph the last decode computed, as the scheduler
+        assigned them (``ggml_backend_sched_get_tensor_backend``): which device really ran each op, e.g. that the
+        attention of a layer placed on a GPU did not fall back to the CPU.  [] before the first decode."""
+        g = self._prev
+        if g is None:
+            return []
+        out = []
+        for t in g.graph.nodes():
+            be = self._sched.tensor_backend(t)
+            out.append((G.name(t), G.op(t).name, G.ggml_backend_name(be).decode() if be else ""))
+        return out
+
     # ------------------------------------------------------------------ memory API (llama_memory_*)
 
     def memory_clear(self, data: bool = True) -> None:
