@@ -491,7 +491,7 @@ def fastcalls_present(venv: Path) -> bool:
     return any(venv.glob("lib/python3*/site-packages/_kvcache_ggml_ops.*"))
 
 
-def stage_fastcalls(venv: Path, stamp: dict) -> dict:
+def stage_fastcalls(venv: Path, stamp: dict, env: dict[str, str] | None = None) -> dict:
     """The compiled wrappers of the graph builders' C calls (cffi's API mode, kvcache_ggml/_ggml/_fastcalls.py).
     Optional: when they cannot be built (no cffi, compiler or Python headers) the package calls through ctypes; the
     failure is recorded and not retried until something it depends on changes."""
@@ -501,7 +501,7 @@ def stage_fastcalls(venv: Path, stamp: dict) -> dict:
         return stamp
     say("compiling the graph builders' C calls with cffi (kvcache_ggml/_ggml/_fastcalls.py)")
     proc = subprocess.run([str(venv_python(venv)), "-c", "from kvcache_ggml._ggml._fastcalls import build; print(build())"],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     failed = proc.returncode != 0
     if failed:
         last = proc.stdout.strip().splitlines()[-1:] or ["no output"]
@@ -740,13 +740,13 @@ def setup(flags: BuildFlags, jobs: int, extras: tuple[str, ...] = COMMAND_EXTRAS
         stamp = stage_ggml(stamp, flags, jobs)
         fetched = stage_sources(venv_python(venv))
         stamp = stage_project(venv, stamp, extras)
-        stamp = stage_fastcalls(venv, stamp)
+        stamp = stage_fastcalls(venv, stamp, flavour_env(flags))
         carried = stage_carry(venv_python(venv))
     return stamp != before or fetched or carried
 
 
-def summary(venv: Path) -> None:
-    proc = subprocess.run([str(venv_python(venv)), "-m", "kvcache_ggml", "info"], cwd=ROOT,
+def summary(venv: Path, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run([str(venv_python(venv)), "-m", "kvcache_ggml", "info"], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise SetupError(f"the installed ggml does not load (python -m kvcache_ggml info exited "
@@ -770,7 +770,7 @@ def main(argv: list[str]) -> int:
         if did_work:
             say(f"set-up finished in {time.monotonic() - t0:.1f} s")
         if not args.quiet and (did_work or command is None):
-            summary(flags.venv)
+            summary(flags.venv, flavour_env(flags))
     except SetupError as e:
         first, _, details = str(e).partition("\n")
         if details:
@@ -778,11 +778,69 @@ def main(argv: list[str]) -> int:
         print(f"build.py: error: {first}", file=sys.stderr)
         return 2
     py = str(venv_python(flags.venv))
+    if flags.asan and command in ("test", "demo"):
+        try:
+            env, reports = sanitizer_env()
+        except SetupError as e:
+            print(f"build.py: error: {e}", file=sys.stderr)
+            return 2
+        cmd = [py, "-m", "pytest", *rest] if command == "test" else [py, "-m", "kvcache_ggml", "demo", *rest]
+        return sanitizer_verdict(subprocess.call(cmd, cwd=ROOT, env=env), reports)
     if command == "test":
         return subprocess.call([py, "-m", "pytest", *rest], cwd=ROOT)
     if command == "demo":
         return subprocess.call([py, "-m", "kvcache_ggml", "demo", *rest], cwd=ROOT)
     return 0
+
+
+# ---- the ASan flavour's runs ----------------------------------------------------------------------------------
+
+ASAN_REPORTS = VENDOR / "sanitizer-reports"  # one file per process that reported (log_path), emptied per run
+
+
+def sanitizer_env(reports: bool = True) -> tuple[dict[str, str], Path]:
+    """The environment of a run in the ASan flavour: the sanitizer runtimes preloaded (Python itself is not built
+    with them), ``PYTHONMALLOC=malloc`` so that Python's and ctypes' buffers come from the checked allocator, leak
+    detection off (CPython keeps memory to the end by design), and (``reports``) every report written to a file
+    under ASAN_REPORTS -- pytest would hide a passing test's stderr, and a report must fail the run whatever the
+    test said; else reports go to stderr.  Returns (environment, report folder)."""
+    cc = find_tool("CC", ("gcc", "cc", "clang")) or "gcc"
+    libs = []
+    for name in ("libasan.so", "libubsan.so"):
+        out = subprocess.run([cc, f"-print-file-name={name}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True).stdout.strip()
+        path = Path(out).resolve() if out else None
+        if path is None or not path.is_file():
+            raise SetupError(f"{cc} does not know {name} (got {out!r}): install the compiler's sanitizer runtimes "
+                             f"(Debian: libasan8, libubsan1)")
+        libs.append(str(path))
+    asan, ubsan = "detect_leaks=0:abort_on_error=1", "print_stacktrace=1:halt_on_error=1"
+    if reports:
+        shutil.rmtree(ASAN_REPORTS, ignore_errors=True)
+        ASAN_REPORTS.mkdir(parents=True)
+        asan += f":log_path={ASAN_REPORTS / 'asan'}"
+        ubsan += f":log_path={ASAN_REPORTS / 'ubsan'}"
+        say(f"sanitizers preloaded: {', '.join(libs)}; reports go to {ASAN_REPORTS.relative_to(ROOT)}/")
+    preload = ":".join(libs + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p])
+    env = dict(os.environ, LD_PRELOAD=preload, PYTHONMALLOC="malloc", ASAN_OPTIONS=asan, UBSAN_OPTIONS=ubsan)
+    return env, ASAN_REPORTS
+
+
+def flavour_env(flags: BuildFlags) -> dict[str, str] | None:
+    """The environment the flavour's Python needs to import ggml (the ASan flavour's preloads; None: as it is)."""
+    return sanitizer_env(reports=False)[0] if flags.asan else None
+
+
+def sanitizer_verdict(rc: int, reports: Path) -> int:
+    """The run's exit status, made non-zero by any sanitizer report (each is printed)."""
+    found = sorted(p for p in reports.iterdir() if p.is_file())
+    for p in found:
+        print(f"---- {p.relative_to(ROOT)}\n{p.read_text(errors='replace')}", file=sys.stderr)
+    if found:
+        print(f"build.py: error: {len(found)} sanitizer report(s) in {reports.relative_to(ROOT)}/", file=sys.stderr)
+        return rc or 1
+    say("no sanitizer reports")
+    return rc
 
 
 if __name__ == "__main__":
