@@ -6,7 +6,10 @@ under tests/oracle/, does ``from helpers import ToyModel, make_cache``.  No test
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -95,3 +98,12 @@ def assert_same_snapshot(a: tuple, b: tuple) -> None:
                 np.testing.assert_array_equal(u, v)
         else:
             assert x == y
+
+
+# AddressSanitizer's runtime is in this process (python3 build.py --asan test preloads it)
+UNDER_ASAN = hasattr(ctypes.CDLL(None), "__asan_init")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux: /proc/self/statm, in the system's pages)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import ctypes
 import inspect
-import os
 import re
 import shutil
 import subprocess
@@ -16,6 +15,8 @@ import numpy as np
 import pytest
 
 from kvcache_ggml import _ggml as G
+
+from helpers import UNDER_ASAN, rss_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 POINTER_SIZE = ctypes.sizeof(ctypes.c_void_p)
@@ -621,16 +622,8 @@ def test_context_refuses_tensors_it_cannot_hold():
         ctx.new_tensor("f32", (20,))
 
 
-def rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-# AddressSanitizer keeps freed memory in its quarantine (resident) to catch uses after free
-UNDER_ASAN = hasattr(ctypes.CDLL(None), "__asan_init")
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-@pytest.mark.skipif(UNDER_ASAN, reason="ASan's quarantine keeps freed memory resident")
+@pytest.mark.skipif(UNDER_ASAN, reason="ASan's quarantine keeps freed memory resident (to catch uses after free)")
 def test_owners_close_once_and_free_memory():
     big = 256 << 20
     before = rss_bytes()

@@ -5,7 +5,6 @@ every other run it skips with the reason.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -13,8 +12,9 @@ import textwrap
 
 import pytest
 
-ASAN_LOADED = hasattr(ctypes.CDLL(None), "__asan_init")
-pytestmark = pytest.mark.skipif(not ASAN_LOADED, reason="not the ASan flavour (python3 build.py --asan test)")
+from helpers import UNDER_ASAN
+
+pytestmark = pytest.mark.skipif(not UNDER_ASAN, reason="not the ASan flavour (python3 build.py --asan test)")
 
 # a 64-byte CPU buffer and a 256-byte F32 tensor placed at its base by hand (ggml_backend_tensor_alloc would refuse):
 # ggml_backend_tensor_set checks the size against the tensor (256 <= 256) and the CPU buffer's memcpy writes 192

@@ -28,6 +28,8 @@ from kvcache_ggml.prefix import HostParams, PrefixCache, check
 from kvcache_ggml.runtime import Context, DecodeError, Model, make_model
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 
+from helpers import rss_bytes
+
 pytestmark = pytest.mark.soak
 
 SECONDS = float(os.environ.get("KVCACHE_SOAK_SECONDS", "600"))
@@ -35,10 +37,6 @@ SAMPLE_EVERY = 60.0
 VOCAB, N_SEQ, N_CTX = 64, 4, 4 * 64
 MODES = [dict(kv_unified=u, flash_attn=fa, type_k=t, type_v=t)
          for u, fa, t in ((True, True, "f16"), (False, True, "f16"), (True, False, "f32"), (False, False, "f32"))]
-
-
-def rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class Round:

@@ -47,7 +47,8 @@ def main(argv: list[str]) -> int:
         bc = BenchConfig(n_layer=args.bench_layers, kv_size=args.bench_kv_size, reps=args.bench_reps,
                          n_threads=args.threads)
         try:
-            rows, skipped = run_bench((args.backends or _ALL).split(","), _check_types(args.types.split(","), ParityConfig()),
+            types = _check_types(args.types.split(","), ParityConfig())
+            rows, skipped = run_bench((args.backends or _ALL).split(","), types,
                                       bc, rpc_spec=args.rpc, log=say)
         except (ValueError, RuntimeError) as e:
             print(f"parity --bench: error: {e}", file=sys.stderr)
