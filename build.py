@@ -61,7 +61,7 @@ COMMAND_EXTRAS = {None: ("fast", "test", "text"), "test": ("fast", "test", "note
                   "demo": ("fast", "test", "text")}
 STAMP_SCHEMA = 1
 GGML_RECIPE = 3  # bump when the way ggml-python is built changes: forces one rebuild (3: GGML_LLAMAFILE=ON)
-COMMANDS = ("test", "demo", "carry", "cmake-args")
+COMMANDS = ("test", "demo", "carry", "cmake-args", "patch-source")
 
 # the GPU check's offline payload (scripts/gpu_check.sh, docs/parity.md)
 CARRY = ROOT / ".carry"
@@ -141,7 +141,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, str | None, list[st
     split = next((i for i, a in enumerate(argv) if a in COMMANDS), len(argv))
     ours, command, rest = argv[:split], (argv[split] if split < len(argv) else None), argv[split + 1:]
     p = argparse.ArgumentParser(prog="build.py", description=__doc__.split("\n\n")[0],
-                                epilog="commands: test [pytest args...], demo [demo args...], carry, cmake-args")
+                                epilog="commands: test [pytest args...], demo [demo args...], carry, cmake-args, "
+                                       "patch-source DIR")
     p.add_argument("--cuda", action="store_true", help="build the CUDA backend")
     p.add_argument("--cuda-arch", default="", metavar="N", help="CMAKE_CUDA_ARCHITECTURES (with --cuda)")
     p.add_argument("--metal", action="store_true", help="build the Metal backend")
@@ -431,6 +432,16 @@ def unpack_sdist() -> None:
     if GGML_PATCHES:
         say(f"patched the ggml source: {', '.join(p.name for p in GGML_PATCHES)}")
     marker.write_text(source_stamp() + "\n")
+
+
+def main_patch_source(rest: list[str]) -> int:
+    """``build.py patch-source DIR``: apply GGML_PATCHES to the sdist unpacked at DIR (the GPU check builds its own
+    copy) and print the patches' digest, for that build's identity."""
+    if len(rest) != 1 or not (Path(rest[0]) / "CMakeLists.txt").is_file():
+        raise SetupError(f"patch-source takes one folder, an unpacked ggml-python sdist (got {rest!r})")
+    apply_patches(Path(rest[0]))
+    print(patches_digest())
+    return 0
 
 
 def source_stamp() -> str:
@@ -779,6 +790,8 @@ def main(argv: list[str]) -> int:
         if command == "cmake-args":
             print(build_cmake_args(flags))
             return 0
+        if command == "patch-source":
+            return main_patch_source(rest)
         did_work = setup(flags, args.jobs, COMMAND_EXTRAS[command])
         if did_work:
             say(f"set-up finished in {time.monotonic() - t0:.1f} s")

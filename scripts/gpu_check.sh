@@ -198,10 +198,13 @@ build_ggml() {
         return 0
     fi
     # a stable source folder: the build folder's CMake cache stays valid, so a rerun is incremental
+    # with build.py's GGML_PATCHES applied, as every other build of this project has them
     src="$WORK/src/$(basename "$SDIST" .tar.gz)"
     if [[ ! -f "$src/.unpacked" ]]; then
-        rm -rf "$src" && mkdir -p "$WORK/src" && tar -xzf "$SDIST" -C "$WORK/src" && touch "$src/.unpacked" || return 1
+        rm -rf "$src" && mkdir -p "$WORK/src" && tar -xzf "$SDIST" -C "$WORK/src" &&
+            "$PY" build.py patch-source "$src" >"$src/.unpacked" || return 1
     fi
+    echo "patched: $(cat "$src/.unpacked")"
     echo "CMAKE_ARGS=$args"
     CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS GIT_CEILING_DIRECTORIES="$WORK" \
         vpip install --no-index --no-build-isolation --find-links "$CARRY" -v \
