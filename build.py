@@ -356,6 +356,389 @@ class SourcePatch:
     count: int = 1  # occurrences of ``old`` expected (and replaced)
 
 
+_RPC_CPP = "vendor/ggml/src/ggml-rpc/ggml-rpc.cpp"
+_RPC_TRANSPORT = "vendor/ggml/src/ggml-rpc/transport.cpp"
+_RPC_TRANSPORT_H = "vendor/ggml/src/ggml-rpc/transport.h"
+_RPC_H = "vendor/ggml/include/ggml-rpc.h"
+
+
+def _rpc(name: str, path: str, old: str, new: str, why: str) -> SourcePatch:
+    return SourcePatch(name=name, backend="rpc", path=path, old=old, new=new, why=why)
+
+
+# A dead RPC server is an exception, not an abort (issue 29; docs/parity.md "A dead RPC server"): ggml's client
+# aborts the process when an exchange fails and blocks forever on a server that stopped answering. These edits
+# give its sockets a send/receive timeout, shut a socket down at its first failure, count failures instead of
+# aborting (the call returns with zeroed answers and a failed compute status), and export the count and each
+# buffer's connection status, which kvcache_ggml reads after every call that touched an RPC server.
+RPC_PATCHES: tuple[SourcePatch, ...] = (
+    _rpc("rpc-transport-decls", _RPC_TRANSPORT_H,
+"""    void get_caps(uint8_t * local_caps);
+    void update_caps(const uint8_t * remote_caps);
+
+    static socket_ptr create_server""",
+"""    void get_caps(uint8_t * local_caps);
+    void update_caps(const uint8_t * remote_caps);
+
+    // kvcache_ggml (build.py): true once a send or a receive failed; the socket is then shut down
+    bool broken() const;
+
+    static socket_ptr create_server""", "a socket says whether it failed"),
+    _rpc("rpc-transport-timeout-decl", _RPC_TRANSPORT_H,
+"""bool rpc_transport_init();
+""",
+"""bool rpc_transport_init();
+// kvcache_ggml (build.py): send/receive timeout of the sockets connected from now on (0: none, ggml's default)
+void rpc_transport_set_timeout_ms(uint32_t ms);
+""", "the client's socket timeout can be set"),
+    _rpc("rpc-transport-includes", _RPC_TRANSPORT,
+"""#include <cstdlib>
+#include <mutex>
+#include <optional>
+""",
+"""#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+""", "includes of the patches below"),
+    _rpc("rpc-transport-failed-flag", _RPC_TRANSPORT,
+"""    impl(sockfd_t fd) : use_rdma(false), fd(fd) {}
+""",
+"""    impl(sockfd_t fd) : use_rdma(false), fd(fd) {}
+    // kvcache_ggml (build.py): after a failed send or receive the stream is out of step (a late answer would be
+    // read as the next one): shut it down, so that every later call on it fails at once
+    bool failed = false;
+    void mark_failed() {
+        if (!failed) {
+            failed = true;
+#ifdef _WIN32
+            ::shutdown(fd, SD_BOTH);
+#else
+            ::shutdown(fd, SHUT_RDWR);
+#endif
+        }
+    }
+""", "a failed socket is shut down and stays failed"),
+    _rpc("rpc-transport-send", _RPC_TRANSPORT,
+"""        ssize_t n = send(fd, (const char *)data + bytes_sent, size_to_send, 0);
+        if (n < 0) {
+            GGML_LOG_ERROR("send failed (bytes_sent=%zu, size_to_send=%zu)\\n",
+                           bytes_sent, size_to_send);
+            return false;
+        }""",
+"""        if (failed) {
+            return false;
+        }
+        ssize_t n = send(fd, (const char *)data + bytes_sent, size_to_send, 0);
+        if (n < 0 && errno == EINTR) {
+            continue;  // kvcache_ggml: a signal is not a dead server
+        }
+        if (n < 0) {
+            GGML_LOG_ERROR("send failed (bytes_sent=%zu, size_to_send=%zu, %s)\\n",
+                           bytes_sent, size_to_send, errno == EAGAIN || errno == EWOULDBLOCK ? "timed out" : "error");
+            mark_failed();
+            return false;
+        }""", "send: EINTR retried, a failure marks the socket"),
+    _rpc("rpc-transport-recv", _RPC_TRANSPORT,
+"""        ssize_t n = recv(fd, (char *)data + bytes_recv, size_to_recv, 0);
+        if (n < 0) {
+            GGML_LOG_ERROR("recv failed (bytes_recv=%zu, size_to_recv=%zu)\\n",
+                           bytes_recv, size_to_recv);
+            return false;
+        }
+        if (n == 0) {
+            LOG_DBG("recv returned 0 (peer closed?)\\n");
+            return false;
+        }""",
+"""        if (failed) {
+            return false;
+        }
+        ssize_t n = recv(fd, (char *)data + bytes_recv, size_to_recv, 0);
+        if (n < 0 && errno == EINTR) {
+            continue;  // kvcache_ggml: a signal is not a dead server
+        }
+        if (n < 0) {
+            GGML_LOG_ERROR("recv failed (bytes_recv=%zu, size_to_recv=%zu, %s)\\n",
+                           bytes_recv, size_to_recv, errno == EAGAIN || errno == EWOULDBLOCK ? "timed out" : "error");
+            mark_failed();
+            return false;
+        }
+        if (n == 0) {
+            LOG_DBG("recv returned 0 (peer closed?)\\n");
+            mark_failed();
+            return false;
+        }""", "recv: EINTR retried, a failure or a closed peer marks the socket"),
+    _rpc("rpc-transport-broken-timeout", _RPC_TRANSPORT,
+"""bool socket_t::recv_data(void * data, size_t size) {
+    return pimpl->recv_data(data, size);
+}
+""",
+"""bool socket_t::recv_data(void * data, size_t size) {
+    return pimpl->recv_data(data, size);
+}
+
+bool socket_t::broken() const {
+    return pimpl->failed;
+}
+
+static std::atomic<uint32_t> g_rpc_timeout_ms{0};
+
+void rpc_transport_set_timeout_ms(uint32_t ms) {
+    g_rpc_timeout_ms = ms;
+}
+""", "broken() and the timeout setting"),
+    _rpc("rpc-transport-connect-timeout", _RPC_TRANSPORT,
+"""    if (!set_no_delay(sockfd)) {
+        GGML_LOG_ERROR("Failed to set TCP_NODELAY\\n");
+        return nullptr;
+    }
+    struct sockaddr_in addr;""",
+"""    if (!set_no_delay(sockfd)) {
+        GGML_LOG_ERROR("Failed to set TCP_NODELAY\\n");
+        return nullptr;
+    }
+#ifndef _WIN32
+    // kvcache_ggml (build.py): a server that stops answering (stopped, hung, unreachable) fails the call after
+    // this long instead of blocking it forever; Linux applies the send timeout to connect() too
+    if (uint32_t ms = g_rpc_timeout_ms.load(); ms > 0) {
+        struct timeval tv;
+        tv.tv_sec = ms / 1000;
+        tv.tv_usec = (ms % 1000) * 1000;
+        setsockopt(sockfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        setsockopt(sockfd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    }
+#endif
+    struct sockaddr_in addr;""", "client sockets get the send/receive timeout"),
+
+    _rpc("rpc-client-no-abort", _RPC_CPP,
+"""#define RPC_STATUS_ASSERT(x) if (!(x)) GGML_ABORT("Remote RPC server crashed or returned malformed response")
+""",
+"""// kvcache_ggml (build.py, docs/parity.md): a failed exchange with a server no longer aborts the process. The
+// socket is shut down (transport.cpp), the failure is counted, and the call goes on with zeroed answers (a
+// stand-in base address, a failed graph compute) so that control returns to the caller, which reads
+// ggml_backend_rpc_failure_count() and ggml_backend_rpc_buffer_status() and treats the server's buffers as lost.
+#include <atomic>
+static std::atomic<uint64_t> g_rpc_failures{0};
+static void rpc_client_failed(const char * func) {
+    g_rpc_failures++;
+    GGML_LOG_ERROR("%s: the RPC server did not answer (it crashed, stopped, timed out or answered wrongly)\\n", func);
+}
+#define RPC_STATUS_ASSERT(x) if (!(x)) rpc_client_failed(__func__)
+""", "RPC client failures count instead of aborting"),
+    _rpc("rpc-client-null-socket", _RPC_CPP,
+"""static bool send_rpc_cmd(socket_ptr sock, enum rpc_cmd cmd, const void * input, size_t input_size) {
+    uint8_t cmd_byte = cmd;
+""",
+"""static bool send_rpc_cmd(socket_ptr sock, enum rpc_cmd cmd, const void * input, size_t input_size) {
+    if (sock == nullptr) {
+        return false;  // kvcache_ggml: no connection (get_socket failed)
+    }
+    uint8_t cmd_byte = cmd;
+""", "a missing connection is a failed command, not a NULL dereference"),
+    _rpc("rpc-client-zeroed-answer", _RPC_CPP,
+"""    if (!send_rpc_cmd(sock, cmd, input, input_size)) {
+        return false;
+    }
+    uint64_t out_size;
+    if (!sock->recv_data(&out_size, sizeof(out_size))) {
+        return false;
+    }
+    if (out_size != output_size) {
+        return false;
+    }
+    if (!sock->recv_data(output, output_size)) {
+        return false;
+    }
+    return true;
+}""",
+"""    uint64_t out_size;
+    bool ok = send_rpc_cmd(sock, cmd, input, input_size) && sock->recv_data(&out_size, sizeof(out_size)) &&
+              out_size == output_size && sock->recv_data(output, output_size);
+    if (!ok && output_size > 0) {
+        memset(output, 0, output_size);  // kvcache_ggml: a failed command answers zeros, never stale memory
+    }
+    return ok;
+}""", "a failed command's answer is zeroed"),
+    _rpc("rpc-client-sockets-map", _RPC_CPP,
+"""static std::shared_ptr<socket_t> get_socket(const std::string & endpoint) {
+    static std::mutex mutex;
+    std::lock_guard<std::mutex> lock(mutex);
+    static std::unordered_map<std::string, std::weak_ptr<socket_t>> sockets;
+
+    auto it = sockets.find(endpoint);
+    if (it != sockets.end()) {
+        if (auto sock = it->second.lock()) {
+            return sock;
+        }
+    }""",
+"""// kvcache_ggml: the client's connections by endpoint, at file scope for ggml_backend_rpc_endpoint_status()
+static std::mutex g_rpc_sockets_mutex;
+static std::unordered_map<std::string, std::weak_ptr<socket_t>> g_rpc_sockets;
+
+static std::shared_ptr<socket_t> get_socket(const std::string & endpoint) {
+    std::lock_guard<std::mutex> lock(g_rpc_sockets_mutex);
+    auto & sockets = g_rpc_sockets;
+
+    auto it = sockets.find(endpoint);
+    if (it != sockets.end()) {
+        // kvcache_ggml: a broken connection is returned as long as something made on it lives (new work then fails
+        // at once rather than waiting for a stopped server again); once all of it is freed, the next call connects
+        if (auto sock = it->second.lock()) {
+            return sock;
+        }
+    }""", "the connections by endpoint at file scope"),
+    _rpc("rpc-client-stand-in-base", _RPC_CPP,
+"""    bool status = send_rpc_cmd(ctx->sock, RPC_CMD_BUFFER_GET_BASE, &request, sizeof(request), &response, sizeof(response));
+    RPC_STATUS_ASSERT(status);
+    ctx->base_ptr = reinterpret_cast<void *>(response.base_ptr);""",
+"""    bool status = send_rpc_cmd(ctx->sock, RPC_CMD_BUFFER_GET_BASE, &request, sizeof(request), &response, sizeof(response));
+    RPC_STATUS_ASSERT(status);
+    if (!status) {
+        // kvcache_ggml: ggml asserts a non-NULL base; this one is never dereferenced here (remote memory)
+        return reinterpret_cast<void *>(uintptr_t(1) << 32);
+    }
+    ctx->base_ptr = reinterpret_cast<void *>(response.base_ptr);""", "a lost buffer's base is a stand-in"),
+    _rpc("rpc-client-alloc-size", _RPC_CPP,
+"""        RPC_STATUS_ASSERT(status);
+
+        return response.alloc_size;""",
+"""        RPC_STATUS_ASSERT(status);
+
+        return status ? response.alloc_size : ggml_nbytes(tensor);""", "a failed size query gives the plain size"),
+    _rpc("rpc-client-buft-failed", _RPC_CPP,
+"""    size_t max_size = get_max_size(sock, device);
+""",
+"""    size_t max_size = get_max_size(sock, device);
+    if (alignment == 0 || max_size == 0) {
+        return nullptr;  // kvcache_ggml: the server did not answer
+    }
+""", "no buffer type from a server that did not answer"),
+    _rpc("rpc-client-backend-socket", _RPC_CPP,
+"""struct ggml_backend_rpc_context {
+    std::string endpoint;
+    uint32_t    device;
+    std::string name;
+};""",
+"""struct ggml_backend_rpc_context {
+    std::string endpoint;
+    uint32_t    device;
+    std::string name;
+    // kvcache_ggml (build.py): the connection this backend computes on, taken when it is made. A server keeps
+    // each client connection's buffers apart, so a graph must go where its buffers are: after a failure, new
+    // backends and buffers connect again while the lost ones stay on the broken connection and fail at once.
+    std::shared_ptr<socket_t> sock;
+};""", "a backend computes on the connection it was made on"),
+    _rpc("rpc-client-backend-socket-init", _RPC_CPP,
+"""        /* .name           = */ dev_name,
+    };
+    auto reg = ggml_backend_rpc_add_server(endpoint);""",
+"""        /* .name           = */ dev_name,
+        /* .sock           = */ get_socket(endpoint),
+    };
+    auto reg = ggml_backend_rpc_add_server(endpoint);""", "a backend takes its connection when made"),
+    _rpc("rpc-client-compute-status", _RPC_CPP,
+"""    bool reuse = cgraph->uid != 0 && rpc_dev_ctx->last_graph_uid == cgraph->uid;
+    if (reuse) {
+        rpc_msg_graph_recompute_req request;
+        request.device = rpc_ctx->device;
+        auto sock = get_socket(rpc_ctx->endpoint);
+        bool status = send_rpc_cmd(sock, RPC_CMD_GRAPH_RECOMPUTE, &request, sizeof(request));
+        RPC_STATUS_ASSERT(status);
+    } else {
+        rpc_dev_ctx->last_graph_uid = cgraph->uid;
+        std::vector<uint8_t> input;
+        serialize_graph(rpc_ctx->device, cgraph, input);
+        auto sock = get_socket(rpc_ctx->endpoint);
+        bool status = send_rpc_cmd(sock, RPC_CMD_GRAPH_COMPUTE, input.data(), input.size());
+        RPC_STATUS_ASSERT(status);
+    }
+    return GGML_STATUS_SUCCESS;""",
+"""    bool reuse = cgraph->uid != 0 && rpc_dev_ctx->last_graph_uid == cgraph->uid;
+    bool status;
+    if (reuse) {
+        rpc_msg_graph_recompute_req request;
+        request.device = rpc_ctx->device;
+        auto & sock = rpc_ctx->sock;  // kvcache_ggml: its own connection
+        status = send_rpc_cmd(sock, RPC_CMD_GRAPH_RECOMPUTE, &request, sizeof(request));
+        RPC_STATUS_ASSERT(status);
+    } else {
+        rpc_dev_ctx->last_graph_uid = cgraph->uid;
+        std::vector<uint8_t> input;
+        serialize_graph(rpc_ctx->device, cgraph, input);
+        auto & sock = rpc_ctx->sock;  // kvcache_ggml: its own connection
+        status = send_rpc_cmd(sock, RPC_CMD_GRAPH_COMPUTE, input.data(), input.size());
+        RPC_STATUS_ASSERT(status);
+    }
+    if (!status) {
+        rpc_dev_ctx->last_graph_uid = 0;  // kvcache_ggml: the server may not hold this graph
+        return GGML_STATUS_FAILED;
+    }
+    return GGML_STATUS_SUCCESS;""", "a graph not sent is a failed compute"),
+    _rpc("rpc-client-status-api", _RPC_CPP,
+"""GGML_BACKEND_DL_IMPL(ggml_backend_rpc_reg)""",
+"""// kvcache_ggml (build.py): what a caller reads after a call to learn whether a server was lost
+
+void ggml_backend_rpc_set_timeout_ms(uint32_t ms) {
+    rpc_transport_set_timeout_ms(ms);
+}
+
+uint64_t ggml_backend_rpc_failure_count(void) {
+    return g_rpc_failures.load();
+}
+
+int ggml_backend_rpc_buffer_status(ggml_backend_buffer_t buffer) {
+    if (buffer == nullptr || !ggml_backend_buffer_is_rpc(buffer)) {
+        return -1;
+    }
+    auto * ctx = (ggml_backend_rpc_buffer_context *) buffer->context;
+    return ctx->sock == nullptr || ctx->sock->broken() ? 1 : 0;
+}
+
+bool ggml_backend_rpc_buffer_sync(ggml_backend_buffer_t buffer) {
+    // a round trip on the buffer's connection: every command sent before it has reached the server
+    if (buffer == nullptr || !ggml_backend_buffer_is_rpc(buffer)) {
+        return false;
+    }
+    auto * ctx = (ggml_backend_rpc_buffer_context *) buffer->context;
+    rpc_msg_buffer_get_base_req request = {ctx->remote_ptr};
+    rpc_msg_buffer_get_base_rsp response;
+    bool status = send_rpc_cmd(ctx->sock, RPC_CMD_BUFFER_GET_BASE, &request, sizeof(request), &response, sizeof(response));
+    RPC_STATUS_ASSERT(status);
+    return status;
+}
+
+int ggml_backend_rpc_endpoint_status(const char * endpoint) {
+    std::lock_guard<std::mutex> lock(g_rpc_sockets_mutex);
+    auto it = g_rpc_sockets.find(endpoint);
+    if (it == g_rpc_sockets.end()) {
+        return -1;
+    }
+    auto sock = it->second.lock();
+    return sock == nullptr ? -1 : sock->broken() ? 1 : 0;
+}
+
+GGML_BACKEND_DL_IMPL(ggml_backend_rpc_reg)""", "the failure count, buffer and endpoint status, the timeout setter"),
+    _rpc("rpc-client-status-decls", _RPC_H,
+"""GGML_BACKEND_API ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+""",
+"""GGML_BACKEND_API ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
+
+// kvcache_ggml (build.py): the client's failures, instead of aborting the process
+// send/receive timeout of connections made from now on (0: none)
+GGML_BACKEND_API void     ggml_backend_rpc_set_timeout_ms(uint32_t ms);
+// failed exchanges with any server since the process started
+GGML_BACKEND_API uint64_t ggml_backend_rpc_failure_count(void);
+// -1: not an RPC buffer; 0: its connection is alive; 1: its connection failed (its data is lost)
+GGML_BACKEND_API int      ggml_backend_rpc_buffer_status(ggml_backend_buffer_t buffer);
+// a round trip on the buffer's connection (what was sent before has reached the server); false: it failed
+GGML_BACKEND_API bool     ggml_backend_rpc_buffer_sync(ggml_backend_buffer_t buffer);
+// -1: no connection to endpoint; 0: alive; 1: failed
+GGML_BACKEND_API int      ggml_backend_rpc_endpoint_status(const char * endpoint);
+""", "declarations of the status API"),
+)
+
+
 GGML_PATCHES: tuple[SourcePatch, ...] = (
     SourcePatch(
         name="vulkan-lavapipe-full-descriptor-writes",
@@ -394,6 +777,7 @@ GGML_PATCHES: tuple[SourcePatch, ...] = (
         new=f"((uint32_t) signs[{i}] << 16)",
         why="IQ3_S dot product: a signed left shift overflow (undefined behaviour) in the sign masks",
         count=2) for i in (1, 3)),
+    *RPC_PATCHES,
 )
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from . import _ggml as G
 from .cache import KVCache, KVCacheContext, KVCacheParams, MemoryStatus, SlotInfo
 from .hparams import SwaType
 from .state import BytesReader, CountingWriter, StateReader, StateWriter
@@ -111,6 +112,23 @@ class KVCacheISWA:
             self._base.close()
             self._base = None
             raise
+        # the RPC buffers of both caches (the context's check after a compute); each cache checks its own calls
+        self.rpc = G.RpcWatch.of(b.ptr for kv in (self._base, self._swa) for b in kv.buffers())
+
+    # ================================================================== a lost RPC server
+
+    @property
+    def lost(self) -> G.RpcServerLostError | None:
+        """The error of the first of the two caches found to have lost an RPC server, or None."""
+        base, swa = self._check_open()
+        return base.lost or swa.lost
+
+    def mark_lost(self, endpoints: tuple[str, ...], what: str) -> G.RpcServerLostError:
+        """Both caches lost (the sequences have K/V in both); the first error."""
+        base, swa = self._check_open()
+        err = base.mark_lost(endpoints, what)
+        swa.mark_lost(endpoints, what)
+        return err
 
     # ================================================================== the two caches
 

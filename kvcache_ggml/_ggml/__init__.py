@@ -11,7 +11,8 @@ Other modules do `from kvcache_ggml import _ggml as G` and then:
 Handles are ints (contexts, buffers, buffer types, backends, devices, tensors, graphs; None for NULL): the table
 declares every pointer `void *` (`G.Tensor` names the tensors' kind in annotations).
 """
-from ._lib import (CALLS, DEFINED_IN, FAST, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, REDECLARED, REQUIRED,
+from ._lib import (CALLS, DEFINED_IN, FAST, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, PATCHED, REDECLARED,
+                   REQUIRED,
                    WHY_NO_FAST, CgraphP, EvalCallback, TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
 from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_SRC, GGML_MEM_ALIGN,
                      GGML_OP_COUNT, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_NEOX,
@@ -25,13 +26,15 @@ from ._tensor import (Tensor, addr, buffer, data_ptr, from_numpy, get_into, hand
 from ._owners import (TENSOR_ALIGNMENT, Backend, BackendBuffer, Context, Graph, Sched, aligned_zeros, buft_name,
                       cpu_buffer_type, dev_memory)
 from ._convert import dequantize
+from ._rpc import (RPC_TIMEOUT_S, RpcServerLostError, RpcWatch, lost_error, rpc_failure_count, rpc_status_api,
+                   rpc_timeout, set_rpc_timeout)
 from ._devices import (Device, commit, device, devices, extra_bufts, registries, rpc_add_server, rpc_available,
                        rpc_start_server, set_log_level, summary_lines, version, weight_op_supported)
 
 globals().update(CALLS)  # every C function of the table as a module attribute (compiled where built): G.ggml_add
 
 __all__ = sorted(FUNCTIONS) + [
-    "CALLS", "DEFINED_IN", "FAST", "FUNCTIONS", "GGML_PYTHON_VERSION", "LIBRARIES", "OPTIONAL", "REDECLARED",
+    "CALLS", "DEFINED_IN", "FAST", "FUNCTIONS", "GGML_PYTHON_VERSION", "LIBRARIES", "OPTIONAL", "PATCHED", "REDECLARED",
     "REQUIRED", "WHY_NO_FAST", "CgraphP",
     "EvalCallback", "TensorP", "ggml_init_params", "ggml_tensor", "has", "is_ctypes_type",
     "GGML_DEFAULT_GRAPH_SIZE", "GGML_MAX_DIMS", "GGML_MAX_NAME", "GGML_MAX_SRC", "GGML_MEM_ALIGN", "GGML_OP_COUNT",
@@ -47,4 +50,6 @@ __all__ = sorted(FUNCTIONS) + [
     "cpu_buffer_type", "dev_memory",
     "Device", "commit", "device", "devices", "extra_bufts", "registries", "weight_op_supported", "rpc_add_server",
     "rpc_available", "rpc_start_server", "set_log_level", "summary_lines", "version", "dequantize",
+    "RPC_TIMEOUT_S", "RpcServerLostError", "RpcWatch", "lost_error", "rpc_failure_count", "rpc_status_api",
+    "rpc_timeout", "set_rpc_timeout",
 ]

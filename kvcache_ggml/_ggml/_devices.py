@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ._lib import CALLS as _F, DEFINED_IN, FAST, GGML_PYTHON_VERSION, LIBRARIES, WHY_NO_FAST, has
 from ._owners import dev_memory
+from ._rpc import rpc_status_api
 from ._types import DeviceType, _cstr
 
 
@@ -61,6 +62,9 @@ def rpc_available() -> bool:
 def _need_rpc() -> None:
     if not rpc_available():
         raise RuntimeError("ggml was built without RPC: rebuild with `python3 build.py --rpc`")
+    if not rpc_status_api():
+        raise RuntimeError("this ggml's RPC client aborts the process when a server dies (built without "
+                           "build.py's RPC patches): rebuild with `python3 build.py`")
 
 
 def rpc_add_server(endpoint: str) -> int:

@@ -128,8 +128,17 @@ OPTIONAL: tuple[str, ...] = (
     "ggml_backend_rpc_init", "ggml_backend_is_rpc", "ggml_backend_rpc_buffer_type",
     "ggml_backend_rpc_get_device_memory", "ggml_backend_rpc_start_server", "ggml_backend_rpc_reg",
     "ggml_backend_rpc_add_server",
+    # build.py's RPC patches (a dead server is an exception): the failure count, buffer status, the timeout
+    "ggml_backend_rpc_set_timeout_ms", "ggml_backend_rpc_failure_count", "ggml_backend_rpc_buffer_status",
+    "ggml_backend_rpc_endpoint_status", "ggml_backend_rpc_buffer_sync",
     "ggml_backend_vk_buffer_type", "ggml_backend_vk_host_buffer_type",
 )
+
+# Functions that exist only in ggml as build.py patches it (ggml-python declares none of them): their declarations
+# are in REDECLARED, checked against the patched headers
+PATCHED: tuple[str, ...] = ("ggml_backend_rpc_set_timeout_ms", "ggml_backend_rpc_failure_count",
+                            "ggml_backend_rpc_buffer_status", "ggml_backend_rpc_endpoint_status",
+                            "ggml_backend_rpc_buffer_sync")
 
 _vp, _sz = ctypes.c_void_p, ctypes.c_size_t
 # (restype, argtypes) from the C headers, for functions ggml-python 0.0.45 declares wrongly: a typing.NewType
@@ -143,6 +152,17 @@ REDECLARED: dict[str, tuple[object, tuple[object, ...]]] = {
     "ggml_backend_cpu_buffer_from_ptr": (_vp, (_vp, _sz)),
     # ggml_backend_t ggml_backend_sched_get_tensor_backend(ggml_backend_sched_t sched, struct ggml_tensor * node)
     "ggml_backend_sched_get_tensor_backend": (_vp, (_vp, TensorP)),
+    # ggml-rpc.h as build.py patches it (ggml-python does not declare these):
+    # void ggml_backend_rpc_set_timeout_ms(uint32_t ms)
+    "ggml_backend_rpc_set_timeout_ms": (None, (ctypes.c_uint32,)),
+    # uint64_t ggml_backend_rpc_failure_count(void)
+    "ggml_backend_rpc_failure_count": (ctypes.c_uint64, ()),
+    # int ggml_backend_rpc_buffer_status(ggml_backend_buffer_t buffer)
+    "ggml_backend_rpc_buffer_status": (ctypes.c_int, (_vp,)),
+    # int ggml_backend_rpc_endpoint_status(const char * endpoint)
+    "ggml_backend_rpc_endpoint_status": (ctypes.c_int, (ctypes.c_char_p,)),
+    # bool ggml_backend_rpc_buffer_sync(ggml_backend_buffer_t buffer)
+    "ggml_backend_rpc_buffer_sync": (ctypes.c_bool, (_vp,)),
     # ggml-vulkan.h: ggml_backend_buffer_type_t ggml_backend_vk_buffer_type(size_t dev_num)
     "ggml_backend_vk_buffer_type": (_vp, (_sz,)),
     # ggml-vulkan.h: ggml_backend_buffer_type_t ggml_backend_vk_host_buffer_type(void)

@@ -323,14 +323,36 @@ class Backends:
     def compute(self, graph: G.Graph, fill: Any = None) -> None:
         """Reset, allocate ``graph`` on the scheduler, call ``fill()`` (write the inputs), compute, synchronize.
 
-        The graph's tensors stay allocated until the next reset/compute: read the outputs first."""
+        The graph's tensors stay allocated until the next reset/compute: read the outputs first.  RpcServerLostError
+        when an RPC server of these backends stopped answering meanwhile (then call ``check_rpc`` of the KV caches
+        on it: they mark themselves lost)."""
         s = self._sched()
-        s.reset()
-        s.alloc_graph(graph)
-        if fill is not None:
-            fill()
-        s.compute(graph)
-        G.ggml_backend_sched_synchronize(s.ptr)
+        remote = [d for d in self.devices if d.endpoint]
+        endpoints = [d.endpoint for d in remote]
+        n0 = G.rpc_failure_count() if endpoints else 0
+        try:
+            s.reset()
+            s.alloc_graph(graph)
+            if fill is not None:
+                fill()
+            s.compute(graph)
+            G.ggml_backend_sched_synchronize(s.ptr)
+            for d in remote:
+                # ggml sends an RPC graph without waiting (its synchronize does nothing): a round trip on the
+                # same connection waits for the server to finish it, and finds a server that is gone
+                G.dev_memory(d.ptr)
+        except (RuntimeError, MemoryError):
+            self._raise_lost(endpoints, n0)
+            raise
+        self._raise_lost(endpoints, n0)
+
+    @staticmethod
+    def _raise_lost(endpoints: list[str], n0: int) -> None:
+        """RpcServerLostError if an exchange failed since ``n0`` and a connection to one of ``endpoints`` broke."""
+        if endpoints and G.rpc_failure_count() != n0:
+            dead = tuple(e for e in endpoints if G.ggml_backend_rpc_endpoint_status(e.encode()) == 1)
+            if dead:
+                raise G.lost_error("a graph computed by Backends", dead)
 
     def reset(self) -> None:
         self._sched().reset()

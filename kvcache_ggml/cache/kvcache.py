@@ -15,6 +15,12 @@ that owns the state it touches:
 
 The facade itself orchestrates what spans parts: ``clear`` (cells and data), ``init_batch`` (split, then slots),
 ``update`` (stream copies, then the K-shift with its input from the cells).
+
+A cache with layers on an RPC server checks, after each of its calls that move K/V data (``clear``, ``update``,
+the state API), whether that server was lost (:class:`~kvcache_ggml._ggml.RpcWatch`).  If it was, the call
+raises :class:`~kvcache_ggml._ggml.RpcServerLostError`, ``lost`` keeps that error, and every public method
+raises it from then on: the data of every sequence is gone (each sequence has K/V in every layer).  Properties,
+sizes and :meth:`close` still answer.
 """
 from __future__ import annotations
 
@@ -65,6 +71,8 @@ class KVCache:
         # bookkeeping's own bound methods (the same signatures and checks as the delegates below, one frame fewer)
         self.seq_pos_max = self.book.seq_pos_max
         self.seq_rm = self.book.seq_rm
+        self.rpc = G.RpcWatch.of(b.ptr for b in self.tensors.buffers())  # the buffers on RPC servers, if any
+        self.lost: G.RpcServerLostError | None = None        # set when an RPC server of the cache was lost
 
     # ================================================================== parts' state, read-only views
 
@@ -136,6 +144,7 @@ class KVCache:
         self.book.clear()
         if data:
             self.tensors.clear_data()
+            self.check_rpc("clear")
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         return self.book.seq_rm(seq_id, p0, p1)
@@ -242,6 +251,7 @@ class KVCache:
             if lctx is not None:
                 G.ggml_backend_sched_synchronize(lctx.sched.ptr)  # no graph may still be writing the cache
             self.tensors.copy_streams(sc_info)
+            self.check_rpc("update (stream copies)")
         if not do_shift:
             return False
         if not self.get_can_shift():
@@ -253,6 +263,7 @@ class KVCache:
                     ok = self.kshift.compute(tmp, self.inputs.set_input_k_shift)
             else:
                 ok = self.kshift.compute(lctx, self.inputs.set_input_k_shift)
+            self.check_rpc("update (K-shift)", sync=True)
             if not ok:
                 return False
         self.book.reset_shift()
@@ -315,19 +326,29 @@ class KVCache:
     # ================================================================== state API
 
     def state_write(self, io: StateWriter, seq_id: int = -1, flags: int = 0) -> int:
-        return self.codec.state_write(io, seq_id, flags)
+        n = self.codec.state_write(io, seq_id, flags)
+        self.check_rpc("state_write")
+        return n
 
     def state_read(self, io: StateReader, seq_id: int = -1, flags: int = 0) -> int:
-        return self.codec.state_read(io, seq_id, flags)
+        try:
+            return self.codec.state_read(io, seq_id, flags)
+        finally:
+            self.check_rpc("state_read", sync=True)
 
     def state_size(self, seq_id: int = -1) -> int:
         return self.codec.state_size(seq_id)
 
     def state_save(self, seq_id: int = -1) -> bytes:
-        return self.codec.state_save(seq_id)
+        data = self.codec.state_save(seq_id)
+        self.check_rpc("state_save")
+        return data
 
     def state_load(self, data: Any, seq_id: int = -1) -> int:
-        return self.codec.state_load(data, seq_id)
+        try:
+            return self.codec.state_load(data, seq_id)
+        finally:
+            self.check_rpc("state_load", sync=True)
 
     def check_seq_state(self, seq_id: int, allow_all: bool = False, data: bool = True) -> None:
         """ValueError unless the state of ``seq_id`` (-1: every sequence, when ``allow_all``) can be saved or
@@ -335,6 +356,28 @@ class KVCache:
         The state files check it before they touch the file or the cache."""
         self.book.check_seq(seq_id, allow_all)
         self.codec.check_layout(data)
+
+    # ================================================================== a lost RPC server
+
+    def check_rpc(self, what: str, sync: bool = False) -> None:
+        """After a call that moved K/V data (``what``): if an RPC server of the cache was lost meanwhile, mark the
+        cache lost and raise RpcServerLostError.  One attribute read without RPC layers; one native call with,
+        plus a round trip per server with ``sync`` (after writes and computes, which get no answer)."""
+        if self.rpc.buffers:
+            lost = self.rpc.lost(sync)
+            if lost:
+                raise self.mark_lost(lost, what)
+
+    def mark_lost(self, endpoints: tuple[str, ...], what: str) -> G.RpcServerLostError:
+        """Record that the servers ``endpoints`` were lost during ``what``; from now on every public method raises
+        the returned error.  Idempotent (the first error is kept)."""
+        if self.lost is None:
+            err = G.lost_error("the KV cache", endpoints, f"found after {what}; every sequence of the cache is "
+                               f"lost (close it; restore saved state into a new cache)")
+            self.lost = err
+            for name in _GUARDED:
+                setattr(self, name, _raiser(name, err))
+        return self.lost
 
     # ================================================================== ownership
 
@@ -347,3 +390,19 @@ class KVCache:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _raiser(name: str, err: G.RpcServerLostError) -> Any:
+    def lost(*args: Any, **kwargs: Any) -> Any:
+        raise G.RpcServerLostError(f"{name}: {err}", err.endpoints)
+    lost.__name__ = name
+    return lost
+
+
+# what still answers on a lost cache: sizes and shapes (no sequence, no data), close, the checks of the loss
+_UNGUARDED = frozenset(("get_size", "get_n_stream", "get_has_shift", "get_can_shift", "total_size", "size_k_bytes",
+                        "size_v_bytes", "memory_breakdown", "buffers", "shift_graph_size", "close", "check_rpc",
+                        "mark_lost"))
+# what raises on a lost cache: every other public method
+_GUARDED: tuple[str, ...] = tuple(n for n, v in vars(KVCache).items()
+                                  if callable(v) and not n.startswith("_") and n not in _UNGUARDED)

@@ -213,6 +213,11 @@ class Context:
         self._iota = np.arange(self.cparams.n_batch, dtype=np.int32)  # read-only 0..n_batch-1: output_ids
         self._iota.flags.writeable = False                       # of a batch whose every token is an output
         self._n_threads_set = 0                                  # what the CPU backend was last set to (0: unknown)
+        # a lost RPC server (docs/parity.md, "A dead RPC server"): the weights' RPC buffers; whether any of this
+        # context's buffers is on an RPC server (then each compute is followed by one failure-count read)
+        self._rpc = G.RpcWatch.of(b.ptr for b in model.buffers()) if hasattr(model, "buffers") else G.RpcWatch((), 0)
+        self._watching = self._rpc.active or self.kv.rpc.active
+        self._lost: G.RpcServerLostError | None = None           # set when a server of the weights or the cache died
         self.fused = fused_step(self)  # the decode step that computes the last graph again (None: general path only)
 
     # ------------------------------------------------------------------ decode
@@ -225,6 +230,9 @@ class Context:
         kv, tm, balloc = self.kv, self.times, self.balloc
         if kv is None:
             raise ValueError("the context is closed")
+        if self._lost is not None or kv.lost is not None:
+            err = self._lost or kv.lost
+            raise G.RpcServerLostError(f"decode: {err}", err.endpoints)
         if self._prev is not None and self.fused is not None:
             logits = self.fused(batch, self._prev)
             if logits is not None:
@@ -327,10 +335,11 @@ class Context:
         self._use_threads(ubatch.n_tokens)
         status = G.ggml_backend_sched_graph_compute(self._sched.ptr, g.graph.ptr)
         if status != _SUCCESS:
-            self._fail_compute(status, zip(ubatch.seq_id[:ubatch.n_tokens, 0].tolist(),
-                                           ubatch.pos[:ubatch.n_tokens].tolist()))
+            self._fail_compute(status, self._ubatch_tokens(ubatch))
         if n_outputs:
             g.read_logits(dst)
+        if self._watching:
+            self.check_rpc("decode", self._ubatch_tokens(ubatch))
         tm.compute += self._clock() - t2
         tm.n_ubatch += 1
 
@@ -354,17 +363,51 @@ class Context:
             self._cpu.set_n_threads(n_threads)
             self._n_threads_set = n_threads
 
-    def _fail_compute(self, status: int, tokens: Any) -> None:
-        """After a failed compute: forget the graph, remove the ubatch's positions from the cache (each sequence's
-        from its smallest one, as llama_decode; ``tokens``: (sequence, position) of each token) and raise."""
-        self._prev = None
+    @staticmethod
+    def _ubatch_tokens(ubatch: Any) -> Any:
+        """(sequence, position) of each token of ``ubatch``."""
+        return zip(ubatch.seq_id[:ubatch.n_tokens, 0].tolist(), ubatch.pos[:ubatch.n_tokens].tolist())
+
+    def _undo_ubatch(self, tokens: Any) -> None:
+        """Remove a failed ubatch's positions from the cache: each sequence's from its smallest one, as
+        llama_decode (``tokens``: (sequence, position) of each token)."""
         pos_min: dict[int, int] = {}
         for s, p in tokens:
             pos_min[s] = min(pos_min.get(s, 2**31 - 1), p)
         for s, p in sorted(pos_min.items()):
             self._kv().seq_rm(s, p, -1)
+
+    def _fail_compute(self, status: int, tokens: Any) -> None:
+        """After a failed compute: forget the graph, undo the ubatch in the cache and raise (RpcServerLostError
+        where an RPC server of the context died, else DecodeError)."""
+        self._prev = None
+        tokens = list(tokens)
+        if self._watching:
+            self.check_rpc("decode", tokens)
+        self._undo_ubatch(tokens)
         code = -2 if status == G.Status.ALLOC_FAILED else 2 if status == G.Status.ABORTED else -3
         raise DecodeError(code, f"graph compute returned {G.Status(status).name}")
+
+    def check_rpc(self, what: str, tokens: Any = ()) -> None:
+        """After a compute (``what``; ``tokens``: (sequence, position) of its ubatch): if an RPC server holding
+        weights or K/V of this context was lost, mark the context lost (and the cache, when its K/V were there;
+        else undo the ubatch in the intact cache, as a failed decode does) and raise RpcServerLostError."""
+        kv = self._kv()
+        weights = self._rpc.lost()
+        cache = kv.rpc.lost() if kv.lost is None else ()
+        if not weights and not cache:
+            return
+        self._prev = None
+        if cache:
+            kv.mark_lost(cache, what)
+            detail = "the KV cache had layers there and is lost too"
+        else:
+            self._undo_ubatch(tokens)
+            detail = ("the KV cache is intact (its layers are elsewhere, the failed ubatch undone): save its "
+                      "sequences with state_get_data / state_seq_get_data and restore them into a new context")
+        self._lost = G.lost_error("the context", tuple(dict.fromkeys(weights + cache)),
+                                  f"found after {what}; it cannot compute any more; {detail}")
+        raise self._lost
 
     def _memory_update(self, optimize: bool) -> bool:
         """Apply queued stream copies and a pending K-shift (llama_context::memory_update)."""
@@ -375,7 +418,11 @@ class Context:
                 return False
             self._prev = None          # the update runs on the scheduler: the last graph is gone
             self._n_threads_set = 0    # and a K-shift sets the CPU backend's threads
-            mctx.apply()
+            try:
+                mctx.apply()
+            except G.RpcServerLostError as e:
+                self._lost = e
+                raise
             return True
         finally:
             self.times.update += self._clock() - t0
@@ -516,6 +563,11 @@ class Context:
     @property
     def closed(self) -> bool:
         return self.kv is None
+
+    @property
+    def lost(self) -> G.RpcServerLostError | None:
+        """Why this context cannot compute any more (an RPC server of its weights or cache died), or None."""
+        return self._lost
 
     def __enter__(self) -> "Context":
         return self

@@ -147,6 +147,8 @@ class FusedStep:
         if status != _SUCCESS:
             ctx._fail_compute(status, zip(seqs, pos) if n > 1 else [(seqs, pos)])
         logits = g.logits_h.copy()
+        if ctx._watching:
+            ctx.check_rpc("decode", zip(seqs, pos) if n > 1 else [(seqs, pos)])
         ctx.logits, ctx.output_ids = logits, self._iota1 if n == 1 else ctx._iota[:n]
         tm = self.times
         if timed:
