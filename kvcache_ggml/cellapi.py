@@ -15,9 +15,16 @@ import numpy as np
 
 from ._consts import LLAMA_MAX_SEQ
 
-__all__ = ["CellExt", "OneCellAPI", "bitset_ids"]
+__all__ = ["CellExt", "OneCellAPI", "bitset_ids", "slot_search_start"]
 
 _BIT = [np.uint64(1 << b) for b in range(64)]
+
+
+def slot_search_start(head: int, n_used: int, n_tokens: int) -> int:
+    """Where llama_kv_cache::find_slot starts looking for ``n_tokens`` cells in a stream: at its head, or at cell 0
+    when the head is more than ``2 * n_tokens`` cells past the stream's used count (cells freed behind the head).
+    The one home of that rule: find_slot and every decode fast path call it."""
+    return 0 if head > n_used + 2 * n_tokens else head
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,8 +148,7 @@ class OneCellAPI:
         """find_slot's cell for one token searched from ``head`` (the rule of :meth:`one_token_slot`) if it is free,
         else -1: without the used end, which find_slot does not need (a dirty bound stays dirty; the placement
         usually makes it exact again)."""
-        if head > self._used.n + 2:
-            head = 0
+        head = slot_search_start(head, self._used.n, 1)
         if head >= len(self._pos_m) or self._pos_m[head] >= 0:
             return -1
         return head
@@ -152,8 +158,7 @@ class OneCellAPI:
         cells past the used count (the search's restart) -- if that cell is free: (the cell, used_max_p1() once a
         token is placed there); None when it is occupied or past the end.  (The decode step's query, one call.)"""
         u = self._used
-        if head > u.n + 2:
-            head = 0
+        head = slot_search_start(head, u.n, 1)
         if head >= len(self._pos_m) or self._pos_m[head] >= 0:
             return None
         end = u.end(self._pos, self._pos_m) if u.hi_dirty else u.hi

@@ -50,43 +50,68 @@ def _check_layer(il: int, n_layer: int) -> None:
         raise ValueError(f"layer index il={il} out of range [0, n_layer={n_layer})")
 
 
-def is_masked_swa(n_swa: int, swa_type: SwaType | int, p0: int, p1: int) -> bool:
-    """Whether the key at position p0 is outside the sliding window of the query at position p1."""
-    if p0 < 0 or p1 < 0:
-        raise ValueError(f"positions must be >= 0, got p0={p0}, p1={p1}")
-    swa_type = SwaType(swa_type)
-    if swa_type == SwaType.STANDARD:
+# ---- the sliding-window rule (llama_hparams::is_masked_swa): its one scalar form and its one vectorised form; every
+# caller -- the mask, the slot search over cells a window left behind, the checked public functions -- uses these
+
+_STANDARD, _CHUNKED, _SYMMETRIC = int(SwaType.STANDARD), int(SwaType.CHUNKED), int(SwaType.SYMMETRIC)
+
+
+def swa_masked(swa_type: int, n_swa: int, p0: int, p1: int) -> bool:
+    """Whether the key at position ``p0`` is outside the window of the query at ``p1``, for ints and unchecked
+    (p0, p1 >= 0; CHUNKED needs n_swa > 0)."""
+    if swa_type == _STANDARD:
         return p1 - p0 >= n_swa
-    if swa_type == SwaType.CHUNKED:
-        if n_swa <= 0:
-            raise ValueError(f"CHUNKED sliding window needs n_swa > 0, got {n_swa}")
+    if swa_type == _CHUNKED:
         return p0 < (p1 // n_swa) * n_swa
-    if swa_type == SwaType.SYMMETRIC:
-        half = n_swa // 2
-        diff = p1 - p0
-        return diff < -half or diff > half
+    if swa_type == _SYMMETRIC:
+        half = n_swa >> 1
+        return p1 - p0 < -half or p1 - p0 > half
     return False
 
 
+def swa_bounds(swa_type: int, n_swa: int, p1: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The window of each query position ``p1`` as bounds: int64 ``lo``, ``hi`` such that a key at ``p0`` is
+    inside exactly when ``lo <= p0 <= hi`` (None: no bound on that side).  Unchecked, as :func:`swa_masked`; the
+    chunk of a negative position is C's (division truncated toward zero)."""
+    p = np.asarray(p1, dtype=np.int64)
+    if swa_type == SwaType.STANDARD:
+        return p - n_swa + 1, None
+    if swa_type == SwaType.CHUNKED:
+        return np.where(p >= 0, p // n_swa, -((-p) // n_swa)) * n_swa, None
+    if swa_type == SwaType.SYMMETRIC:
+        half = n_swa >> 1
+        return p - half, p + half
+    return None, None
+
+
+def _check_swa(n_swa: int, swa_type: SwaType | int) -> SwaType:
+    swa_type = SwaType(swa_type)
+    if swa_type == SwaType.CHUNKED and n_swa <= 0:
+        raise ValueError(f"CHUNKED sliding window needs n_swa > 0, got {n_swa}")
+    return swa_type
+
+
+def is_masked_swa(n_swa: int, swa_type: SwaType | int, p0: int, p1: int) -> bool:
+    """Whether the key at position p0 is outside the sliding window of the query at position p1 (checked)."""
+    if p0 < 0 or p1 < 0:
+        raise ValueError(f"positions must be >= 0, got p0={p0}, p1={p1}")
+    return swa_masked(_check_swa(n_swa, swa_type), n_swa, p0, p1)
+
+
 def is_masked_swa_np(n_swa: int, swa_type: SwaType | int, p0: np.ndarray, p1: int | np.ndarray) -> np.ndarray:
-    """is_masked_swa over arrays (broadcast p0 against p1); a bool array."""
+    """is_masked_swa over arrays (broadcast p0 against p1); a bool array (checked)."""
     p0 = np.asarray(p0, dtype=np.int64)
     p1 = np.asarray(p1, dtype=np.int64)
     if (p0 < 0).any() or (p1 < 0).any():
         raise ValueError(f"positions must be >= 0, got min p0={p0.min(initial=0)}, min p1={p1.min(initial=0)}")
-    swa_type = SwaType(swa_type)
     shape = np.broadcast_shapes(p0.shape, p1.shape)
-    if swa_type == SwaType.STANDARD:
-        return np.broadcast_to(p1 - p0 >= n_swa, shape)
-    if swa_type == SwaType.CHUNKED:
-        if n_swa <= 0:
-            raise ValueError(f"CHUNKED sliding window needs n_swa > 0, got {n_swa}")
-        return np.broadcast_to(p0 < (p1 // n_swa) * n_swa, shape)
-    if swa_type == SwaType.SYMMETRIC:
-        half = n_swa // 2
-        diff = p1 - p0
-        return np.broadcast_to((diff < -half) | (diff > half), shape)
-    return np.zeros(shape, dtype=bool)
+    lo, hi = swa_bounds(_check_swa(n_swa, swa_type), n_swa, p1)
+    masked = np.zeros(shape, dtype=bool)
+    if lo is not None:
+        masked |= p0 < lo
+    if hi is not None:
+        masked |= p0 > hi
+    return masked
 
 
 @dataclass(slots=True)

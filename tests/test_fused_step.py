@@ -200,3 +200,29 @@ def test_fused_step_restarts_the_slot_search_as_find_slot(model, unified, p0):
         same(a, b, outcome(a, lambda c: c.decode(batch)), outcome(b, lambda c: c.decode(batch)), f"p0 {p0}")
         assert a.kv.v_cells[0].pos_array[9 if p0 == 7 else p0] == p0
         assert a.fused.n_steps == (p0 == 7)  # cell 0 is taken: the restarted search needs the scan
+
+
+@pytest.mark.parametrize("head", [6, 12])
+def test_fused_multi_sequence_step_restarts_the_slot_search_as_find_slot(model, head):
+    """The same rule for a step of two sequences in a unified cache (one cell per token, from the head or from
+    cell 0): sequence 0 removed, sequence 1 keeping 2 cells, the head put at ``head``; find_slot restarts at 0
+    when head > 2 + 2 * 2.  Head 6: cells 6 and 7; head 12: cells 0 and 1 -- not 12 and 13, also free."""
+    kw = dict(n_ctx=64 * N_SEQ, n_seq_max=N_SEQ, kv_unified=True, n_threads=1, n_threads_batch=1)
+    with Context(model, **kw) as a, Context(model, **kw) as b:
+        b.fused = None
+        for c in (a, b):
+            c.decode(Batch(token=np.arange(1, 17, dtype=np.int32), seq_id=np.repeat(np.arange(2, dtype=np.int32), 8)))
+            c.decode(Batch(token=np.array([3, 4], np.int32), seq_id=np.arange(2, dtype=np.int32),
+                           logits=np.ones(2, np.int8)))
+            c.memory_seq_rm(0, -1, -1)
+            c.memory_seq_rm(1, 2, -1)
+            c.kv.v_heads[0] = head
+        assert a.kv.v_cells[0].get_used() == 2
+        n0 = a.fused.n_steps
+        batch = Batch(token=np.array([5, 6], np.int32), pos=np.array([0, 2], np.int32),
+                      seq_id=np.arange(2, dtype=np.int32), logits=np.ones(2, np.int8))
+        same(a, b, outcome(a, lambda c: c.decode(batch)), outcome(b, lambda c: c.decode(batch)), f"head {head}")
+        cells = [0, 1] if head == 12 else [6, 7]
+        assert a.kv.v_cells[0].pos_array[cells].tolist() == [0, 2]
+        assert b.kv.v_cells[0].pos_array.tobytes() == a.kv.v_cells[0].pos_array.tobytes()
+        assert a.fused.n_steps == n0 + 1  # the fused step placed them

@@ -20,6 +20,8 @@ from kvcache_ggml.runtime.arch import load_model, runtime_for
 from kvcache_ggml.runtime.gemma import GemmaModel, GemmaParams
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 from kvcache_ggml.runtime.gemma_reference import GemmaReference, gelu_ggml, rope_neox
+from kvcache_ggml.runtime.model import Model
+from kvcache_ggml.runtime.modelmaker import ModelSpec, make_model
 from kvcache_ggml.swa_checkpoint import SWACheckpoints
 
 TOL = 2e-3
@@ -109,6 +111,24 @@ def test_rope_neox_and_gelu_reference_helpers():
 
 
 # ---------------------------------------------------------------------------------------------- model and memory
+
+def test_model_of_any_supported_architecture_opens_with_one_call(gemma, tmp_path):
+    """Model(path) opens a Gemma GGUF as llama_model_load_from_file does (a GemmaModel, still a Model); a class
+    named explicitly loads its own architectures only; an unknown architecture names the supported ones."""
+    model, _ = gemma
+    with Model(model.path) as m:
+        assert type(m) is GemmaModel and isinstance(m, Model) and m.hparams.arch == model.hparams.arch
+        assert m.n_vocab == model.n_vocab
+    llama = make_model(tmp_path / "llama.gguf", ModelSpec(layers=1, embd=32, heads=2, heads_kv=1, ff=64, vocab=64))
+    with Model(llama) as m:
+        assert type(m) is Model
+    with pytest.raises(ValueError, match="architecture 'llama' is not supported"):
+        GemmaModel(llama)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(llama.read_bytes().replace(b"llama", b"mamba", 1))
+    with pytest.raises(ValueError, match=r"'mamba' is not supported \(supported: llama, gemma2, gemma3\)"):
+        Model(other)
+
 
 def test_model_loads_as_gemma_with_an_iswa_memory(gemma):
     model, _ = gemma

@@ -6,7 +6,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvcache_ggml import _ggml as G
 from kvcache_ggml.batch import Batch, BatchAllocator
-from kvcache_ggml.cache import KVCache, KVCacheParams, MemoryStatus
+from kvcache_ggml.cache import KVCache, KVCacheParams, Memory, MemoryStatus
 from kvcache_ggml.hparams import HParams, SwaType
 from kvcache_ggml.iswa import STATE_SEQ_FLAGS_PARTIAL_ONLY, KVCacheISWA, KVCacheISWAContext, swa_cache_size
 
@@ -97,6 +97,24 @@ def test_model_without_swa_is_refused():
             return None
     with pytest.raises(ValueError, match="no sliding-window layers"):
         KVCacheISWA(Dense())
+
+
+def test_both_memories_implement_the_memory_protocol():
+    """KVCache and KVCacheISWA are both a Memory (llama_memory_i), what Context types its memory with; an object
+    that lacks one of its methods is not."""
+    mem = make()
+
+    class NoStateRead:
+        def __getattr__(self, name):
+            if name == "state_read":
+                raise AttributeError(name)
+            return getattr(mem, name)
+    try:
+        assert isinstance(mem, Memory) and isinstance(mem.get_base(), Memory) and isinstance(mem.get_swa(), KVCache)
+        assert all(hasattr(mem, n) for n in ("init_batch", "seq_rm", "state_write", "rpc", "lost"))
+        assert not isinstance(NoStateRead(), Memory)
+    finally:
+        mem.close()
 
 
 def test_context_routes_layers_to_their_cache():

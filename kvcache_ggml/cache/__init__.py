@@ -16,6 +16,7 @@ module                  owns                                                    
 ``state_files``         sequence state files, ``parse_state``                                  yes
 ``context``             KVCacheContext (llama_kv_cache_context)                                yes
 ``kvcache``             KVCache, the facade with llama.cpp's method names                      yes
+``memory``              Memory, the protocol KVCache and KVCacheISWA implement (llama_memory_i) no
 ======================  =====================================================================  ============
 
 Importing this package is light: the names below are loaded on first access, so ``kvcache_ggml.cache.bookkeeping``
@@ -37,6 +38,7 @@ _LAZY = {
     "StateCodec": ".state_codec",
     "KVCacheContext": ".context",
     "KVCache": ".kvcache",
+    "Memory": ".memory",
 }
 
 __all__ = list(_LAZY)

@@ -26,6 +26,7 @@ import numpy as np
 
 from .._consts import INT32_MAX, LLAMA_MAX_SEQ
 from ..batch import BatchAllocator, UBatch
+from ..cellapi import slot_search_start
 from ..cells import KVCells
 from ..hparams import SwaType, is_masked_swa_np
 from .celltext import cell_map_text, cell_pos_text
@@ -358,9 +359,7 @@ class KVBookkeeping:
     def _slot_in(self, strm: int, n_tokens: int, cont: bool) -> np.ndarray | None:
         """find_slot in one stream: ``n_tokens`` cells from its head (int64), or None when there is no room."""
         cells = self.v_cells[strm]
-        head_cur = self.v_heads[strm]
-        if head_cur > cells.get_used() + 2 * n_tokens:
-            head_cur = 0
+        head_cur = slot_search_start(self.v_heads[strm], cells.get_used(), n_tokens)
         if n_tokens > self.kv_size:
             log.error("find_slot: n_tokens = %d > size = %d", n_tokens, self.kv_size)
             return None

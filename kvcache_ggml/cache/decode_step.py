@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
+from ..cellapi import slot_search_start
 from ..hparams import SwaType
 from .bookkeeping import KVBookkeeping
 from .inputs import KVInputs
@@ -116,9 +117,7 @@ class CacheStep:
         book = self.book
         n = len(seqs)
         c = book.v_cells[0]
-        h = book.v_heads[0]
-        if h > c.get_used() + 2 * n:  # find_slot's restart at cell 0
-            h = 0
+        h = slot_search_start(book.v_heads[0], c.get_used(), n)
         if s0 or s1 or h + n > self.kv_size or np.count_nonzero(c.pos_array[h:h + n] >= 0):
             return False
         if book.padded_n_kv(max(c.used_max_p1(), h + n)) != n_kv:

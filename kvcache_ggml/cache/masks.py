@@ -21,7 +21,7 @@ import numpy as np
 from .._consts import INT32_MAX
 from ..batch import UBatch
 from ..cells import KVCells
-from ..hparams import SwaType
+from ..hparams import SwaType, swa_bounds
 
 __all__ = ["NEG_INF_BITS", "mask_decode_row", "mask_group", "window", "token_groups"]
 
@@ -30,11 +30,6 @@ NEG_INF_BITS = {np.dtype(np.float32): (np.int32, np.int32(-0x00800000)),   # 0xF
                 np.dtype(np.float16): (np.int16, np.int16(-0x0400))}       # 0xFC00
 _ROW_CHUNK = 1 << 16  # mask elements per chunk of rows: the temporaries stay in the CPU cache
 _BAND_MAX = 0.25      # build only the differing columns of a group's rows when they span at most this of n_kv
-
-
-def _c_div(a: np.ndarray, b: int) -> np.ndarray:
-    """Integer division truncated toward zero, as C does (b > 0)."""
-    return np.where(a >= 0, a // b, -((-a) // b))
 
 
 def mask_decode_row(row: np.ndarray, cells: KVCells, seq_id: int, p1: int, causal: bool) -> None:
@@ -92,17 +87,11 @@ def window(p1: np.ndarray, causal: bool, n_swa: int,
     if swa_type == SwaType.NONE:
         return None, (p1 if causal else None)
     p = p1.astype(np.int64)
-    lo = None
+    lo, hi_w = swa_bounds(swa_type, n_swa, p)  # the window rule (hparams.py)
     hi = p if causal else None
-    if swa_type == SwaType.STANDARD:          # masked when p1 - p0 >= n_swa
-        lo = p - n_swa + 1
-    elif swa_type == SwaType.CHUNKED:         # masked when p0 < (p1 / n_swa) * n_swa
-        lo = _c_div(p, n_swa) * n_swa
-    elif swa_type == SwaType.SYMMETRIC:       # masked when p1 - p0 < -n_swa/2 or > n_swa/2
-        half = n_swa // 2
-        lo = p - half
-        hi = p + half if hi is None else np.minimum(hi, p + half)
-    lo = None if int(lo.max()) <= 0 else np.maximum(lo, 0).astype(np.int32)  # lo <= p1 fits int32
+    if hi_w is not None:
+        hi = hi_w if hi is None else np.minimum(hi, hi_w)
+    lo = None if lo is None or int(lo.max()) <= 0 else np.maximum(lo, 0).astype(np.int32)  # lo <= p1 fits int32
     if hi is not None:
         hi = np.minimum(hi, INT32_MAX).astype(np.int32)
     return lo, hi

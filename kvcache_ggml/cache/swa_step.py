@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..cells import KVCells
-from ..hparams import SwaType
+from ..hparams import SwaType, swa_masked
 
 if TYPE_CHECKING:
     from ..batch import UBatch
@@ -33,7 +33,7 @@ __all__ = ["WrapStats", "place_over", "rolls_back_clean", "slot_run"]
 log = logging.getLogger("kvcache_ggml.cache")
 
 _FEW = 16  # slots of at most this many cells per stream take the scalar paths
-_STANDARD, _CHUNKED, _SYMMETRIC = int(SwaType.STANDARD), int(SwaType.CHUNKED), int(SwaType.SYMMETRIC)
+_CHUNKED = int(SwaType.CHUNKED)
 
 
 @dataclass(slots=True)
@@ -43,18 +43,6 @@ class WrapStats:
     found: int = 0   # slots found by slot_run with some cell occupied
     kept: int = 0    # prepares over occupied cells that placed nothing (rolls_back_clean)
     placed: int = 0  # apply_ubatch over occupied cells by place_over
-
-
-def _masked(swa_type: int, n_swa: int, p0: int, p1: int) -> bool:
-    """is_masked_swa for ints (p0, p1 >= 0; CHUNKED with n_swa > 0: the caller checks)."""
-    if swa_type == _STANDARD:
-        return p1 - p0 >= n_swa
-    if swa_type == _CHUNKED:
-        return p0 < (p1 // n_swa) * n_swa
-    if swa_type == _SYMMETRIC:
-        d, half = p1 - p0, n_swa >> 1
-        return d < -half or d > half
-    return False
 
 
 def slot_run(book: KVBookkeeping, cells: KVCells, head: int, n: int) -> int | None:
@@ -76,7 +64,7 @@ def slot_run(book: KVBookkeeping, cells: KVCells, head: int, n: int) -> int | No
         if not swa_type or (swa_type == _CHUNKED and n_swa <= 0):
             return None
         q = cells.only_seq(head)
-        if q < 0 or not _masked(swa_type, n_swa, p, cells.seq_pos_max(q) + 1):
+        if q < 0 or not swa_masked(swa_type, n_swa, p, cells.seq_pos_max(q) + 1):
             return None
         book.wrap_stats.found += 1
         return head
@@ -88,7 +76,7 @@ def slot_run(book: KVBookkeeping, cells: KVCells, head: int, n: int) -> int | No
         if not swa_type or (swa_type == _CHUNKED and n_swa <= 0):
             return None
         q = cells.only_seq(i)
-        if q < 0 or not _masked(swa_type, n_swa, p, cells.seq_pos_max(q) + 1):
+        if q < 0 or not swa_masked(swa_type, n_swa, p, cells.seq_pos_max(q) + 1):
             return None
         occupied = True
     if occupied:

@@ -67,7 +67,7 @@ def runtime_for(arch: str) -> ArchRuntime:
 
 
 def load_model(path: str | PathLike, **kwargs: Any) -> Any:
-    """Load a GGUF with the model class of its ``general.architecture`` (keyword arguments go to the class)."""
-    from .._gguf import read_kv
-    arch = read_kv(path).get("general.architecture")
-    return runtime_for(str(arch)).model_class(path, **kwargs)
+    """``Model(path, **kwargs)``: the model class of the GGUF's ``general.architecture`` loads it (an alias kept
+    for the code that used it)."""
+    from .model import Model
+    return Model(path, **kwargs)

@@ -23,7 +23,7 @@ from .. import _ggml as G
 from ..cache import UpdateContext
 from .._consts import LLAMA_MAX_SEQ
 from ..batch import Batch, BatchAllocator
-from ..cache import KVCache, KVCacheParams, MemoryStatus
+from ..cache import KVCacheParams, Memory, MemoryStatus
 from ..cparams import CParams, ContextParams, RopeScalingType
 from ..state import load_seq_file, save_seq_file
 from .arch import runtime_for
@@ -175,7 +175,7 @@ class Context:
         self.n_vocab = int(model.n_vocab)
         self.times = StepTimes()
         self._rt = runtime_for(hp.arch)                   # the architecture's memory and graph
-        self.kv: KVCache | None = None
+        self.kv: Memory | None = None                      # a KVCache, or a KVCacheISWA (sliding windows)
         self._sched: G.Sched | None = None
         self._backends: list[G.Backend] = []
         self._gctx: G.Context | None = None
@@ -539,7 +539,7 @@ class Context:
     def n_ctx_seq(self) -> int:
         return self.cparams.n_ctx_seq
 
-    def _kv(self) -> KVCache:
+    def _kv(self) -> Memory:
         if self.kv is None:
             raise ValueError("the context is closed")
         return self.kv

@@ -76,6 +76,19 @@ class Model:
     ARCHS: tuple[str, ...] = _SUPPORTED_ARCHS   # general.architecture values this class loads
     ROPE_TYPE = RopeType.NORM                  # the RoPE those architectures use
 
+    def __new__(cls, path: str | PathLike, **kwargs: Any) -> "Model":
+        """``Model(path)`` opens every supported architecture, as llama_model_load_from_file does: it makes the
+        model class of the file's ``general.architecture`` (a :class:`~kvcache_ggml.runtime.gemma.GemmaModel` for a
+        Gemma GGUF, a subclass of Model).  A subclass called by name loads its own architectures only."""
+        del kwargs
+        if cls is Model and Path(path).is_file():
+            from .._gguf import read_kv
+            from .arch import runtime_for  # (the registry of architectures; it imports this module lazily too)
+            sub = runtime_for(str(read_kv(path).get("general.architecture"))).model_class
+            if sub is not Model:
+                return super().__new__(sub)
+        return super().__new__(cls)
+
     def __init__(self, path: str | PathLike, *, dev_layer: Callable[[int], Any] | None = None,
                  dev_output: Callable[[], Any] | None = None, use_extra_bufts: bool = True) -> None:
         self.path = Path(path)
