@@ -130,6 +130,11 @@ class KVCacheISWA:
         swa.mark_lost(endpoints, what)
         return err
 
+    def set_fast_paths(self, on: bool) -> None:
+        """:meth:`KVCache.set_fast_paths` of both caches."""
+        for kv in self._check_open():
+            kv.set_fast_paths(on)
+
     # ================================================================== the two caches
 
     def get_base(self) -> KVCache:

@@ -34,8 +34,7 @@ UB_FIELDS = ("n_tokens", "n_seq_tokens", "n_seqs", "n_seqs_unq", "n_pos", "b_equ
 
 def general(kv, ba=None):
     """Turn every fast path of ``kv`` (and of the allocator ``ba``) off."""
-    kv.book.fast = False
-    kv.inputs.fast = False
+    kv.set_fast_paths(False)
     if ba is not None:
         ba.fast = False
 

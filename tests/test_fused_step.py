@@ -182,6 +182,24 @@ def test_fused_step_across_the_padding_boundary(model):
 
 
 @pytest.mark.parametrize("unified", [True, False], ids=["unified", "streams"])
+def test_one_switch_turns_every_decode_fast_path_off(model, unified):
+    """RuntimeParams.fast_paths=False: no fused step, and the allocator's, the bookkeeping's and the inputs' fast
+    paths off -- with the same logits, outputs and cells as the fast context, step after step."""
+    kw = dict(n_ctx=64 * N_SEQ, n_seq_max=N_SEQ, kv_unified=unified, n_threads=1, n_threads_batch=1)
+    with Context(model, **kw) as a, Context(model, fast_paths=False, **kw) as b:
+        assert b.fused is None and not b.balloc.fast and not b.kv.book.fast and not b.kv.inputs.fast
+        assert a.fused is not None and a.balloc.fast and a.kv.book.fast and a.kv.inputs.fast
+        prompt = Batch(token=np.arange(1, 7, dtype=np.int32), seq_id=np.repeat(np.arange(2, dtype=np.int32), 3))
+        same(a, b, outcome(a, lambda c: c.decode(prompt)), outcome(b, lambda c: c.decode(prompt)), "prompt")
+        for i in range(6):
+            step = Batch(token=np.array([7 + i, 20 + i], np.int32), seq_id=np.arange(2, dtype=np.int32),
+                         logits=np.ones(2, np.int8))
+            same(a, b, outcome(a, lambda c: c.decode(step)), outcome(b, lambda c: c.decode(step)), f"step {i}")
+            assert a.kv.state_save() == b.kv.state_save()
+        assert a.fused.n_steps >= 4
+
+
+@pytest.mark.parametrize("unified", [True, False], ids=["unified", "streams"])
 @pytest.mark.parametrize("p0", [5, 6, 7])
 def test_fused_step_restarts_the_slot_search_as_find_slot(model, unified, p0):
     """find_slot starts again at cell 0 when the head is more than two cells (per token) past the used count: 9

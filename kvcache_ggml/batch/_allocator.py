@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Protocol
 
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
-from ._decode import init_decode, init_step, init_step_one
-from ._input import Batch, _filled
+from ._decode import DecodeInit
+from ._input import Batch, MemoryPositions, _filled
 from ._split import BatchSplitter, seq_groups
 from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, _TOKEN_IDS, UBatch, _atoi, _distinct,
                       _present_seqs, _print_ubatch, _seq_pos_stats)
@@ -43,15 +42,7 @@ def read_debug_env() -> int:
     return _DEBUG
 
 
-class MemoryPositions(Protocol):
-    """What :meth:`BatchAllocator.init` asks of a memory module (``llama_memory_i``): -1 for an empty sequence."""
-
-    def seq_pos_min(self, seq_id: int) -> int: ...
-
-    def seq_pos_max(self, seq_id: int) -> int: ...
-
-
-class BatchAllocator(BatchSplitter):
+class BatchAllocator(BatchSplitter, DecodeInit):
     """Sanitises a :class:`Batch`, fills in its missing fields and splits it into :class:`UBatch` es."""
 
     __slots__ = ()
@@ -73,13 +64,13 @@ class BatchAllocator(BatchSplitter):
         """Validate ``batch`` and fill in its missing fields (llama_batch_allocr::init).
 
         Raises ValueError where llama.cpp returns false; the allocator then holds no batch and can be reused.
-        The decode step (n tokens of n distinct sequences) takes a fast path, :func:`._decode.init_decode`, with
-        the same result.
+        The decode step (n tokens of n distinct sequences) takes a fast path, :meth:`._decode.DecodeInit._init_decode`,
+        with the same result.
         """
         # the fast path commits everything _clear resets, or changes nothing (it clears if the memory raises)
         if (self.fast and self._debug <= 0 and type(batch) is Batch and type(n_vocab) is int
                 and type(n_seq_max) is int and type(n_embd) is int
-                and init_decode(self, batch, n_vocab, memory, n_seq_max, output_all)):
+                and self._init_decode(batch, n_vocab, memory, n_seq_max, output_all)):
             return
         self._clear()
         if not isinstance(batch, Batch):
@@ -105,19 +96,6 @@ class BatchAllocator(BatchSplitter):
             self._print_input(batch, pos_all, seqs, seq2d, n_seq_id, output, n_outputs, stats)
         self._check_consistency(batch, memory, seqs, mem_max, stats, pos0, seq2d, n_seq_id, has_cpl)
         self._commit(batch, pos_all, pos0, seq2d, seq0, n_seq_id, has_cpl, seqs, grp, stats, output, n_outputs)
-
-    def init_step(self, batch: Batch, n_vocab: int, memory: MemoryPositions, n_seq_max: int, n_ubatch: int,
-                  equal_seqs: bool) -> tuple[list[int], list[int]] | None:
-        """``init`` and the one split of a decode step whose every token is an output, without a UBatch (the
-        runtime's fused step): each token's sequence and position, or None -- call ``init`` then."""
-        return init_step(self, batch, n_vocab, memory, n_seq_max, n_ubatch, equal_seqs)
-
-    def init_step_one(self, batch: Batch, n_vocab: int, memory: MemoryPositions,
-                      n_seq_max: int) -> tuple[int, int] | None:
-        """:meth:`init_step` of a one-token batch: its (sequence, position), or None -- call ``init`` then."""
-        if not self.fast or self._debug > 0 or batch.n_tokens != 1:
-            return None
-        return init_step_one(self, batch, n_vocab, memory, n_seq_max)
 
     # -- validation of the input --------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ validated for shape.  Values that depend on the model (token ids, sequence ids) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -101,6 +101,13 @@ def _seq_id_rows(value: Any, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     out[np.arange(w) < counts[:, None]] = flat
     return out, counts
 
+
+class MemoryPositions(Protocol):
+    """What :meth:`BatchAllocator.init` asks of a memory module (``llama_memory_i``): -1 for an empty sequence."""
+
+    def seq_pos_min(self, seq_id: int) -> int: ...
+
+    def seq_pos_max(self, seq_id: int) -> int: ...
 
 @dataclass(slots=True, eq=False, kw_only=True)
 class Batch:

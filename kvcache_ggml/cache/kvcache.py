@@ -357,6 +357,14 @@ class KVCache:
         self.book.check_seq(seq_id, allow_all)
         self.codec.check_layout(data)
 
+    # ================================================================== the fast paths
+
+    def set_fast_paths(self, on: bool) -> None:
+        """Turn the decode step's fast paths of the bookkeeping and the inputs on or off (off: the general code
+        alone, with the same results; the equivalence tests compare both).  ``RuntimeParams.fast_paths`` is the
+        runtime's one switch: these, the allocator's and the fused step."""
+        self.book.fast = self.inputs.fast = bool(on)
+
     # ================================================================== a lost RPC server
 
     def check_rpc(self, what: str, sync: bool = False) -> None:
@@ -402,7 +410,7 @@ def _raiser(name: str, err: G.RpcServerLostError) -> Any:
 # what still answers on a lost cache: sizes and shapes (no sequence, no data), close, the checks of the loss
 _UNGUARDED = frozenset(("get_size", "get_n_stream", "get_has_shift", "get_can_shift", "total_size", "size_k_bytes",
                         "size_v_bytes", "memory_breakdown", "buffers", "shift_graph_size", "close", "check_rpc",
-                        "mark_lost"))
+                        "mark_lost", "set_fast_paths"))
 # what raises on a lost cache: every other public method
 _GUARDED: tuple[str, ...] = tuple(n for n, v in vars(KVCache).items()
                                   if callable(v) and not n.startswith("_") and n not in _UNGUARDED)

@@ -4,7 +4,7 @@
 neither inherits from it), and :class:`~kvcache_ggml.runtime.Context` types its ``kv`` with it.  Beyond
 llama.cpp's interface: ``has_pending_update`` (what ``init_update``'s status would say, without making a context),
 ``state_save``/``state_load``/``state_size`` (the state as bytes), ``check_seq_state``, ``shift_graph_size`` (the
-scheduler's size), the RPC loss (``rpc``, ``lost``, ``mark_lost``) and ``close``.
+scheduler's size), ``set_fast_paths`` (the decode fast paths), the RPC loss (``rpc``, ``lost``, ``mark_lost``) and ``close``.
 """
 from __future__ import annotations
 
@@ -48,5 +48,6 @@ class Memory(Protocol):
 
     # ---- the runtime's needs
     def shift_graph_size(self) -> int: ...
+    def set_fast_paths(self, on: bool) -> None: ...
     def mark_lost(self, endpoints: tuple[str, ...], what: str) -> Any: ...
     def close(self) -> None: ...

@@ -76,6 +76,8 @@ class RuntimeParams:
     swa_full: bool = True             # sliding-window models: a full-size SWA cache (llama.cpp's default)
     no_perf: bool = True              # no host timings: StepTimes keeps its counts, its seconds stay 0 (llama.cpp's
     #                                   default; False measures each phase of each step)
+    fast_paths: bool = True           # the decode step's fast paths (allocator, bookkeeping, inputs, fused step);
+    #                                   False: the general code alone, the same results (the equivalence tests)
 
     def context_params(self) -> ContextParams:
         return ContextParams(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
@@ -218,7 +220,11 @@ class Context:
         self._rpc = G.RpcWatch.of(b.ptr for b in model.buffers()) if hasattr(model, "buffers") else G.RpcWatch((), 0)
         self._watching = self._rpc.active or self.kv.rpc.active
         self._lost: G.RpcServerLostError | None = None           # set when a server of the weights or the cache died
-        self.fused = fused_step(self)  # the decode step that computes the last graph again (None: general path only)
+        if not params.fast_paths:  # the one switch of every decode fast path
+            self.balloc.fast = False
+            self.kv.set_fast_paths(False)
+        # the decode step that computes the last graph again (None: general path only)
+        self.fused = fused_step(self) if params.fast_paths else None
 
     # ------------------------------------------------------------------ decode
 
