@@ -23,11 +23,12 @@ from .. import _ggml as G
 from ..cache import UpdateContext
 from .._consts import LLAMA_MAX_SEQ
 from ..batch import Batch, BatchAllocator
-from ..cache import KVCacheParams, Memory, MemoryStatus
-from ..cparams import CParams, ContextParams, RopeScalingType
+from ..cache import KVCache, KVCacheParams, Memory, MemoryStatus
+from ..cparams import CParams
 from ..state import load_seq_file, save_seq_file
+from .params import RuntimeParams
 from .arch import runtime_for
-from .fused_step import fused_step
+from .fused_step import FusedStep, StepHost
 from .graph import DecoderGraph
 
 __all__ = ["Context", "RuntimeParams", "DecodeError", "StepTimes"]
@@ -46,60 +47,6 @@ class DecodeError(RuntimeError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(f"decode failed ({code}): {message}")
         self.code = code
-
-
-@dataclass(slots=True)
-class RuntimeParams:
-    """What a user sets for a context (``llama_context_params`` plus the cache types), llama.cpp's defaults."""
-
-    n_ctx: int = 512                  # context size in tokens, all sequences together; 0 = the model's n_ctx_train
-    n_batch: int = 2048               # most tokens one decode() accepts (capped at n_ctx)
-    n_ubatch: int = 512               # most tokens one graph computes
-    n_seq_max: int = 1                # sequences the context serves (1..256)
-    kv_unified: bool = False          # one cache stream shared by all sequences; else one stream per sequence
-    flash_attn: bool = True           # ggml_flash_attn_ext over a non-transposed V; else mul_mat + soft_max
-    type_k: str = "f16"               # ggml type of the K cache
-    type_v: str = "f16"               # ggml type of the V cache
-    n_threads: int = 4                # CPU threads for one-token graphs (and the K-shift)
-    n_threads_batch: int = 4          # CPU threads for graphs of several tokens
-    rope_scaling_type: int = -1       # llama_rope_scaling_type; -1 = the model's
-    rope_freq_base: float = 0.0       # RoPE base; 0 = the model's
-    rope_freq_scale: float = 0.0      # RoPE scale; 0 = the model's
-    yarn_ext_factor: float = -1.0     # YaRN extrapolation mix; negative = the model's
-    yarn_attn_factor: float = -1.0    # YaRN magnitude scale; negative = the model's
-    yarn_beta_fast: float = -1.0      # YaRN low correction dim; negative = the model's
-    yarn_beta_slow: float = -1.0      # YaRN high correction dim; negative = the model's
-    yarn_orig_ctx: int = 0            # YaRN original context; 0 = the model's
-    offload_kqv: bool = True          # K/V of layer il on the model's dev_layer(il) (the CPU by default)
-    fa_cast_f32_kv: bool = False      # cast an F32 K/V cache to F16 before flash attention, as llama.cpp does
-    graph_reuse: bool = True          # compute the previous graph again when its topology fits the ubatch
-    swa_full: bool = True             # sliding-window models: a full-size SWA cache (llama.cpp's default)
-    no_perf: bool = True              # no host timings: StepTimes keeps its counts, its seconds stay 0 (llama.cpp's
-    #                                   default; False measures each phase of each step)
-    fast_paths: bool = True           # the decode step's fast paths (allocator, bookkeeping, inputs, fused step);
-    #                                   False: the general code alone, the same results (the equivalence tests)
-
-    def context_params(self) -> ContextParams:
-        return ContextParams(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
-                             n_seq_max=self.n_seq_max, n_threads=self.n_threads,
-                             n_threads_batch=self.n_threads_batch,
-                             rope_scaling_type=RopeScalingType(self.rope_scaling_type),
-                             rope_freq_base=self.rope_freq_base, rope_freq_scale=self.rope_freq_scale,
-                             yarn_ext_factor=self.yarn_ext_factor, yarn_attn_factor=self.yarn_attn_factor,
-                             yarn_beta_fast=self.yarn_beta_fast, yarn_beta_slow=self.yarn_beta_slow,
-                             yarn_orig_ctx=self.yarn_orig_ctx, flash_attn=self.flash_attn,
-                             offload_kqv=self.offload_kqv, kv_unified=self.kv_unified, no_perf=self.no_perf)
-
-    def check(self) -> None:
-        for name in ("n_batch", "n_ubatch", "n_seq_max", "n_threads", "n_threads_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_ctx < 0:
-            raise ValueError(f"n_ctx must be >= 0 (0: the model's training context), got {self.n_ctx}")
-        if self.n_seq_max > LLAMA_MAX_SEQ:
-            raise ValueError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}, got {self.n_seq_max}")
-        G.parse_type(self.type_k)
-        G.parse_type(self.type_v)
 
 
 @dataclass(slots=True)
@@ -223,8 +170,13 @@ class Context:
         if not params.fast_paths:  # the one switch of every decode fast path
             self.balloc.fast = False
             self.kv.set_fast_paths(False)
-        # the decode step that computes the last graph again (None: general path only)
-        self.fused = fused_step(self) if params.fast_paths else None
+        # the decode step that computes the last graph again (None: general path only): llama graphs over a plain
+        # KVCache with graph reuse, given the scheduler and the callbacks it needs
+        self.fused: FusedStep | None = None
+        if params.fast_paths and self._rt.fused and type(self.kv) is KVCache and params.graph_reuse:
+            self.fused = FusedStep(self.kv, self.balloc, self.cparams, self.n_vocab, self.times, StepHost(
+                self._sched.ptr, self._iota, self._use_threads, self._fail_compute,
+                self.check_rpc if self._watching else None, self._set_step_outputs))
 
     # ------------------------------------------------------------------ decode
 
@@ -280,6 +232,10 @@ class Context:
         tm.compute += self._clock() - t0
         tm.n_tokens += n_tokens_all
         return self.logits
+
+    def _set_step_outputs(self, logits: np.ndarray, output_ids: np.ndarray) -> None:
+        """The fused step's outputs: its logits (rows in batch order) and output ids."""
+        self.logits, self.output_ids = logits, output_ids
 
     def _init_batch(self, kv: Any, n_tokens_all: int) -> Any:
         """Split the batch and find its slots (init_batch), once more after an optimizing update if it failed."""

@@ -20,46 +20,61 @@ random traces: logits, output ids, cells, heads, the allocator's getters and sta
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from .. import _ggml as G
-from ..batch import Batch
+from ..batch import Batch, BatchAllocator
+from ..cache import KVCache
+from ..cparams import CParams
 
 if TYPE_CHECKING:
-    from .context import Context
     from .graph import DecoderGraph
 
-__all__ = ["FusedStep"]
+__all__ = ["FusedStep", "StepHost"]
 
 _SUCCESS = int(G.Status.SUCCESS)
 _perf = time.perf_counter
 
 
-class FusedStep:
-    """The fused decode step of one :class:`~.context.Context` (llama graphs over a plain KVCache)."""
+@dataclass(slots=True, frozen=True)
+class StepHost:
+    """What the context that owns a fused step gives it: its scheduler and its callbacks, nothing to reach into."""
 
-    def __init__(self, ctx: Context) -> None:
-        kv = ctx.kv
+    sched: int                                           # ggml_backend_sched_t the graphs are computed on
+    iota: np.ndarray                                     # int32 0..n_batch-1, read-only: a step's output ids
+    use_threads: Callable[[int], None]                   # set the CPU threads for a graph of n tokens
+    fail_compute: Callable[[int, Any], None]             # (status, (seq, pos) per token): undo the step, raise
+    check_rpc: Callable[[str, Any], None] | None         # after a compute: raise if an RPC server died (None: none)
+    set_outputs: Callable[[np.ndarray, np.ndarray], None]  # the step's logits and output ids, into the context
+
+
+class FusedStep:
+    """The fused decode step of one :class:`~.context.Context` (llama graphs over a plain KVCache), which owns it
+    and gives it the parts it works with."""
+
+    def __init__(self, kv: KVCache, balloc: BatchAllocator, cparams: CParams, n_vocab: int, times: Any,
+                 host: StepHost) -> None:
         book = kv.book
-        self.ctx = ctx                                          # the owner: graph, scheduler, threads, outputs
-        self.balloc = ctx.balloc                                # validates and splits the batch
+        self.host = host                                        # the owner's scheduler and callbacks
+        self.balloc = balloc                                    # validates and splits the batch
         self.step = kv.step                                     # placement and inputs
-        self.n_vocab = ctx.n_vocab
+        self.n_vocab = n_vocab
         # the sequence ids the allocator accepts: those of the cache (the general path's allocator takes any id
         # below LLAMA_MAX_SEQ in a unified cache, then the cache refuses the others; the fused one leaves them to it)
         self.n_seq_max = book.n_seq_max
         # what the batch's positions continue: the one stream's cells (their seq_pos_max without the id check: the
         # ids are in range), else the bookkeeping (the stream of each sequence)
         self.memory = book.v_cells[0] if book.n_stream == 1 else book
-        self.n_ubatch = ctx.cparams.n_ubatch
+        self.n_ubatch = cparams.n_ubatch
         self.equal_seqs = book.n_stream > 1                     # split_equal (several streams) or split_simple
-        self.causal = bool(ctx.cparams.causal_attn)
-        self.times = ctx.times
-        self.timed = not ctx.cparams.no_perf                    # time the phases (no_perf off)
+        self.causal = bool(cparams.causal_attn)
+        self.times = times
+        self.timed = not cparams.no_perf                        # time the phases (no_perf off)
         self.n_steps = 0                                        # steps taken by this path (tests, notebooks)
-        self._iota1 = ctx._iota[:1]                             # the output ids of a one-token step (read-only)
+        self._iota1 = host.iota[:1]                             # the output ids of a one-token step (read-only)
         self._graph: DecoderGraph | None = None                 # the last graph found with host views of all
         self._tok_m = self._pos_m = self._out_m = memoryview(b"")  # ... memoryviews of its token, position and
         #                                                           output-row inputs, and the compute's arguments
@@ -73,7 +88,7 @@ class FusedStep:
                 return None
             self._graph = g
             self._tok_m, self._pos_m, self._out_m = (memoryview(v) for v in (g.tokens_h, g.pos_h, g.out_ids_h))
-            self._args = (self.ctx._sched.ptr, g.graph.ptr)
+            self._args = (self.host.sched, g.graph.ptr)
         if not self.step.ready():
             return None
         if batch.n_tokens == 1:
@@ -141,15 +156,15 @@ class FusedStep:
         sequences and positions (lists, or the one token's ints), for the clean-up of a failed compute."""
         timed = self.timed
         t3 = _perf() if timed else 0.0
-        ctx = self.ctx
-        ctx._use_threads(n)
+        host = self.host
+        host.use_threads(n)
         status = G.ggml_backend_sched_graph_compute(*self._args)
         if status != _SUCCESS:
-            ctx._fail_compute(status, zip(seqs, pos) if n > 1 else [(seqs, pos)])
+            host.fail_compute(status, zip(seqs, pos) if n > 1 else [(seqs, pos)])
         logits = g.logits_h.copy()
-        if ctx._watching:
-            ctx.check_rpc("decode", zip(seqs, pos) if n > 1 else [(seqs, pos)])
-        ctx.logits, ctx.output_ids = logits, self._iota1 if n == 1 else ctx._iota[:n]
+        if host.check_rpc is not None:
+            host.check_rpc("decode", zip(seqs, pos) if n > 1 else [(seqs, pos)])
+        host.set_outputs(logits, self._iota1 if n == 1 else host.iota[:n])
         tm = self.times
         if timed:
             tm.batch += t1 - t0
@@ -163,11 +178,3 @@ class FusedStep:
         self.n_steps += 1
         return logits
 
-
-def fused_step(ctx: Context) -> Any:
-    """The context's fused step, or None where it does not apply (another architecture's graph, an iSWA memory,
-    graph reuse off)."""
-    from ..cache import KVCache
-    if not (ctx._rt.fused and type(ctx.kv) is KVCache and ctx.params.graph_reuse):
-        return None
-    return FusedStep(ctx)
