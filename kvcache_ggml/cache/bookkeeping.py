@@ -12,7 +12,7 @@ bad input (an out-of-range sequence id, a cache-sized batch that can never fit, 
 Every check runs before any change: a failed call leaves the cells exactly as they were.
 
 The decode step (one token per sequence) takes fast paths with the same results: ``prepare`` of one ubatch places
-nothing, ``apply_ubatch`` on empty cells places with scalar Python (``_place_free``), and ``seq_rm`` of a
+nothing, ``apply_ubatch`` on empty cells places with scalar Python (``place_free``), and ``seq_rm`` of a
 sequence's newest cell (the undo of a step) removes it without a search (``KVCells.seq_rm_last``).
 tests/test_decode_fast_path.py runs them next to the general paths on random traces.
 """
@@ -375,7 +375,7 @@ class KVBookkeeping:
         """Write the ubatch's positions and sequences into the slot's cells, then purge and move the heads."""
         assert ubatch.n_tokens == len(sinfo.strm) * len(sinfo.idxs[0]), "the ubatch does not fill its slot"
         is_2d = ubatch.n_pos >= 3  # (ubatch.is_pos_2d(), inline: every step comes here)
-        if self.fast and not is_2d and (self._place_free(sinfo, ubatch) or place_over(self, sinfo, ubatch)):
+        if self.fast and not is_2d and (self.place_free(sinfo, ubatch) or place_over(self, sinfo, ubatch)):
             return
         n = sinfo.size()
         seq_pos_max_rm: dict[int, int] = {}
@@ -408,7 +408,7 @@ class KVBookkeeping:
         for st, idx in zip(sinfo.strm, sinfo.idxs):
             self.v_heads[st] = int(idx[-1]) + 1
 
-    def _place_free(self, sinfo: SlotInfo, ubatch: UBatch) -> bool:
+    def place_free(self, sinfo: SlotInfo, ubatch: UBatch) -> bool:
         """apply_ubatch's fast path (no 2-D positions): with every cell of the slot empty (always without SWA), place
         the tokens (the decode step: scalar Python) and move the heads; False, nothing done, if one is occupied."""
         v_cells = self.v_cells

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._consts import LLAMA_MAX_SEQ
 from ..cellapi import slot_search_start
 from ..hparams import SwaType
 from .bookkeeping import KVBookkeeping
@@ -46,11 +45,8 @@ class CacheStep:
         self.strm_one = self.cell_one = -1      # the stream and cell of the token of the last place_one()
         self._k_idxs: np.ndarray | None = None  # the k_idxs view fill_one last wrote, and memoryviews of it and
         self._k_m = self._v_m = memoryview(b"")  # of the v_idxs view beside it
-        # several tokens, V transposed: each token's cell base (cell + stream * kv_size * n_embd), [LLAMA_MAX_SEQ, 1],
-        # added to the element offsets in one call; and (n, v_idxs, v_idxs as [n, n_embd], base[:n]) of the last fill
-        self._v_base = np.zeros((LLAMA_MAX_SEQ, 1), np.int64)
-        self._v_base_m = memoryview(self._v_base)
-        self._v_rows: tuple = (0, None, None, None)
+        # (n, v_idxs, v_idxs as [n, n_embd] with a transposed V) of the last fill
+        self._v_rows: tuple = (0, None, None)
 
     def ready(self) -> bool:
         """The fused step may run now: plain masks, fast paths on (the equivalence tests turn them off), and no
@@ -140,9 +136,8 @@ class CacheStep:
         size = self.kv_size
         self._k_m[0] = row = i + st * size
         inputs = self.inputs
-        if inputs.v_trans:  # one index per V element: element j of the cell at j*kv_size, streams kv_size*n_embd apart
-            inputs._v_base0_m[()] = i + st * inputs._v_stream_stride  # (a 0-d array: no Python int to convert)
-            np.add(inputs._v_elem_offs, inputs._v_base0, v_idxs)
+        if inputs.v_trans:  # one index per V element
+            inputs.write_v_idxs_one(v_idxs, i, st)
         else:
             self._v_m[0] = row
         if not inputs.mask_rows.write_one(mask, s, p, causal):
@@ -158,18 +153,13 @@ class CacheStep:
         inputs = self.inputs
         if k_idxs is not self._k_idxs:  # (memoryviews: scalar writes a few times cheaper than numpy's)
             self._k_idxs, self._k_m, self._v_m = k_idxs, memoryview(k_idxs), memoryview(v_idxs)
-        if self._v_rows[0] != n or self._v_rows[1] is not v_idxs:  # v_idxs as [n, n_embd], the cell bases [n, 1]
-            ne = inputs._v_elem_offs.shape[0]
-            self._v_rows = (n, v_idxs, v_idxs.reshape(n, ne) if inputs.v_trans else None, self._v_base[:n])
+        if self._v_rows[0] != n or self._v_rows[1] is not v_idxs:  # v_idxs as [n, n_embd]
+            self._v_rows = (n, v_idxs, v_idxs.reshape(n, inputs.n_v_elems) if inputs.v_trans else None)
         k_m = self._k_m
         for j in range(n):
             k_m[j] = cells[j] + strms[j] * size
-        if inputs.v_trans:  # one index per V element: element j of a cell at j*kv_size, streams kv_size*n_embd apart
-            stride = inputs._v_stream_stride
-            base_m = self._v_base_m
-            for j in range(n):
-                base_m[j, 0] = cells[j] + strms[j] * stride
-            np.add(self._v_rows[3], inputs._v_elem_offs, self._v_rows[2])
+        if inputs.v_trans:  # one index per V element
+            inputs.write_v_idxs_rows(self._v_rows[2], cells, strms)
         else:
             v_idxs[...] = k_idxs
         if inputs.mask_rows.write(mask, seqs, pos, causal):

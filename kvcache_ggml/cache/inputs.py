@@ -96,6 +96,10 @@ class KVInputs:
         # conversion of a Python int, about half the cost of the call
         self._v_base0 = np.zeros((), np.int64)
         self._v_base0_m = memoryview(self._v_base0)
+        # several tokens: each token's cell base [LLAMA_MAX_SEQ, 1] (scalar writes through the memoryview), added to
+        # the element offsets in one call
+        self._v_bases = np.zeros((LLAMA_MAX_SEQ, 1), np.int64)
+        self._v_bases_m = memoryview(self._v_bases)
         self.mask_rows = MaskRows(book)               # ready kq-mask rows, patched step to step
         # per input tensor (by the id of its handle, an int object): a live view of its struct's leading words, their
         # bytes when its header was read, the header, its checked data views (shape -> (types, ne, view)), and
@@ -183,14 +187,34 @@ class KVInputs:
             last = self._last[1]
             if last[0] is not dst or last[1] != 1 or last[2].tobytes() != last[3]:  # (_last_view's test)
                 last = self._last_view(1, dst, 1, self.v_idxs_view)
-            if self.v_trans:
-                self._v_base0_m[()] = sinfo.cell + sinfo.strm[0] * self._v_stream_stride
-                np.add(self._v_elem_offs, self._v_base0, last[4])
-            else:
-                last[5][0] = sinfo.cell + sinfo.strm[0] * self.kv_size
+            self.write_v_idxs_one(last[4], sinfo.cell, sinfo.strm[0])
             return
         self._check_slot(ubatch, sinfo)
         self.fill_v_idxs(self._last_view(1, dst, n, self.v_idxs_view)[4], ubatch, sinfo)
+
+    @property
+    def n_v_elems(self) -> int:
+        """Indices per token in a v_idxs input: n_embd_v_gqa_max with a transposed V, else 1."""
+        return self._v_elem_offs.shape[0] if self.v_trans else 1
+
+    def write_v_idxs_one(self, out: np.ndarray, cell: int, strm: int) -> None:
+        """The v_idxs of one token in ``cell`` of stream ``strm`` into ``out`` (int64 [n_v_elems]): the cell's row,
+        or with a transposed V element j at ``strm*kv_size*n_embd + j*kv_size + cell``.  The one home of that rule:
+        set_input_v_idxs, fill_v_idxs and the fused decode step call it."""
+        if self.v_trans:
+            self._v_base0_m[()] = cell + strm * self._v_stream_stride  # (a 0-d array: no Python int to convert)
+            np.add(self._v_elem_offs, self._v_base0, out)
+        else:
+            out[0] = cell + strm * self.kv_size
+
+    def write_v_idxs_rows(self, rows: np.ndarray, cells: list[int], strms: list[int]) -> None:
+        """Transposed V: the v_idxs of tokens in ``cells`` (of streams ``strms``) into ``rows``, int64
+        [n_tokens, n_embd_v_gqa_max] (a view of the input), in one numpy call after a scalar write per token."""
+        stride, base_m = self._v_stream_stride, self._v_bases_m
+        n = len(cells)
+        for j in range(n):
+            base_m[j, 0] = cells[j] + strms[j] * stride
+        np.add(self._v_bases[:n], self._v_elem_offs, rows)
 
     def v_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the v_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens] (or
@@ -204,18 +228,14 @@ class KVInputs:
         one = n_tokens == 1 and len(sinfo.strm) == 1 and sinfo.idxs and len(sinfo.idxs[0]) == 1  # one sequence's step
         if not one:
             self._check_slot(ubatch, sinfo)
+        if one:
+            self.write_v_idxs_one(out, sinfo.idxs[0].item(0), sinfo.strm[0])
+            return
         if not self.v_trans:
-            if one:
-                out[0] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self.kv_size
-            else:
-                out[...] = self._token_cells(sinfo)
+            out[...] = self._token_cells(sinfo)
             return
         elem = self._v_elem_offs                                              # [n_embd_v_gqa_max]: j*kv_size
         n_embd = elem.shape[0]
-        if one:
-            self._v_base0_m[()] = sinfo.idxs[0].item(0) + sinfo.strm[0] * self._v_stream_stride
-            np.add(elem, self._v_base0, out)
-            return
         base = np.asarray(self._token_cells(sinfo, stream_stride=self._v_stream_stride), np.int64)  # [n_tokens]
         np.add(base[:, None], elem, out=out.reshape(n_tokens, n_embd))
 

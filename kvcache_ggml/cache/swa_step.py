@@ -183,7 +183,7 @@ def _one_clean(book: KVBookkeeping, st: int, i: int, tok_seq: int, tok_pos: int)
 
 def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     """apply_ubatch (one sequence per token, 1-D positions) when some cell of the slot is occupied: each occupied
-    cell -- one sequence of its stream -- is emptied, the tokens placed (``_place_free``), then every sequence
+    cell -- one sequence of its stream -- is emptied, the tokens placed (``place_free``), then every sequence
     that lost a cell is purged up to the largest position it lost, and the heads set, as the seed does.  False,
     with nothing done, for a slot it does not serve."""
     if ubatch.seq_id.shape[1] != 1:
@@ -193,14 +193,14 @@ def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
             return _place_one_over(book, sinfo.strm[0], sinfo.idxs[0].item(0), ubatch)
         return _place_each_over(book, sinfo, ubatch)
     occ = _occupied(book, sinfo)
-    if not occ:  # (an empty slot is _place_free's, which declined it)
+    if not occ:  # (an empty slot is place_free's, which declined it)
         return False
     rm_max: dict[int, int] = {}
     for cells, i, q, p in occ:
         cells.rm_only(i, q)
         if p > rm_max.get(q, -1):
             rm_max[q] = p
-    placed = book._place_free(sinfo, ubatch)
+    placed = book.place_free(sinfo, ubatch)
     assert placed, "the slot's cells were emptied"
     purged = False
     for q in sorted(rm_max) if len(rm_max) > 1 else rm_max:
