@@ -15,6 +15,7 @@ built over all ``n_kv`` cells.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import numpy as np
@@ -36,7 +37,32 @@ _NP_TYPESTR = {G.GGMLType.F32: "<f4", G.GGMLType.F16: "<f2", G.GGMLType.I32: "<i
 _ITEMSIZE = {G.GGMLType.F32: 4, G.GGMLType.F16: 2, G.GGMLType.I32: 4, G.GGMLType.I64: 8}
 
 
-_NO_LAST = (None, -1, None, None, None, None)  # KVInputs._last of a set_input_* that has not written yet
+@dataclass(slots=True)
+class _Entry:
+    """What KVInputs keeps of one input tensor."""
+
+    words: memoryview     # a live view of the leading words of the tensor's struct
+    word_bytes: bytes     # their bytes when ``header`` was read: the entry holds while they are the same
+    header: tuple         # G.header(tensor): type, ne, nb, buffer, data
+    views: dict           # shape -> (types, ne, checked numpy view) served by _host
+    tensor: Any           # the tensor handle (kept alive: its id stays its own)
+
+
+@dataclass(slots=True)
+class _Last:
+    """The tensor a set_input_* wrote last, served again while the same tensor comes for as many tokens with the
+    same struct words (a decode loop: no entry lookup, no shape key)."""
+
+    tensor: Any           # the input tensor handle (None: nothing written yet)
+    n_tokens: int         # the ubatch size it was written for
+    words: Any            # its entry's live words ...
+    word_bytes: Any       # ... and their bytes then
+    view: Any             # its checked data view (numpy)
+    view_m: Any           # a memoryview of it, for scalar writes
+
+
+def _no_last() -> _Last:
+    return _Last(None, -1, None, None, None, None)
 
 
 class _HostMemory:
@@ -105,51 +131,50 @@ class KVInputs:
         # bytes when its header was read, the header, its checked data views (shape -> (types, ne, view)), and
         # the handle object itself (kept alive: its id stays its own; another object of the same address -- a
         # graph rebuilt in a reset context -- gets an entry of its own, its header read again)
-        self._tensors: dict[int, tuple[np.ndarray, bytes, tuple, dict, Any]] = {}
+        self._tensors: dict[int, _Entry] = {}
         # the mask rows need no window, ALiBi (nor, per ubatch, 2-D positions): ready rows may serve them
         self._plain = book.swa_type == SwaType.NONE and not hparams.use_alibi
         self.fast = True  # fast paths on (the equivalence tests turn them off to compare with the full build)
         # per set_input_* (k_idxs, v_idxs, kq mask): the tensor it wrote last, for how many tokens, the live view of
         # its struct's words and their bytes then, and its checked data view -- served again while the same tensor
         # comes for as many tokens with the same words (a decode loop: no entry lookup, no shape key)
-        self._last: list[tuple] = [_NO_LAST, _NO_LAST, _NO_LAST]
+        self._last: list[_Last] = [_no_last(), _no_last(), _no_last()]
 
-    def _entry(self, dst: Any) -> tuple[np.ndarray, bytes, tuple, dict, Any]:
+    def _entry(self, dst: Any) -> _Entry:
         """The cache entry of tensor ``dst``: its header (``G.header``) read again only when the words of its
         struct changed since (a runtime fills the same input tensors step after step: one numpy call then)."""
         ent = self._tensors.get(id(dst))  # (the entry keeps dst alive: its id stays its own)
-        if ent is not None and ent[4] is dst and ent[0].tobytes() == ent[1]:
+        if ent is not None and ent.tensor is dst and ent.words.tobytes() == ent.word_bytes:
             return ent
         words = memoryview(G.header_words(dst)).cast("B")  # (bytes: its tobytes is half numpy's)
         if len(self._tensors) >= 64:
             self._tensors.clear()
-        ent = self._tensors[id(dst)] = (words, words.tobytes(), G.header(dst), {}, dst)
+        ent = self._tensors[id(dst)] = _Entry(words, words.tobytes(), G.header(dst), {}, dst)
         return ent
 
     def _host(self, dst: Any, types: tuple[G.GGMLType, ...], ne: tuple[int, int, int, int],
-              shape: tuple[int, ...], ent: tuple | None = None) -> np.ndarray:
+              shape: tuple[int, ...], ent: _Entry | None = None) -> np.ndarray:
         """host_array(dst, types, ne) reshaped to ``shape``, the view kept while the tensor's header stays the same
         (type, shape, strides, buffer and data pointer: everything host_array checks).  ``ent``: ``_entry(dst)``
         when the caller has it."""
         ent = ent or self._entry(dst)
-        hit = ent[3].get(shape)
+        hit = ent.views.get(shape)
         if hit is not None and hit[0] is types and hit[1] == ne:
             return hit[2]
-        view = host_array(dst, types, ne, ent[2]).reshape(shape)
-        ent[3][shape] = (types, ne, view)
+        view = host_array(dst, types, ne, ent.header).reshape(shape)
+        ent.views[shape] = (types, ne, view)
         return view
 
-    def _last_view(self, role: int, dst: Any, n_tokens: int, view_of: Any) -> tuple:
-        """``_last[role]``: (dst, n_tokens, header words, their bytes, ``view_of(dst, n_tokens)`` (a checked numpy
-        view), a memoryview of it for scalar writes) -- served again while set_input_* ``role`` gets the tensor of
-        its last call, for as many tokens, with its struct's words unchanged.  The set_input_* make the same test
-        inline first (a decode loop's every step) and come here when it fails."""
+    def _last_view(self, role: int, dst: Any, n_tokens: int, view_of: Any) -> _Last:
+        """``_last[role]``, with ``view_of(dst, n_tokens)`` (a checked numpy view) -- served again while set_input_*
+        ``role`` gets the tensor of its last call, for as many tokens, with its struct's words unchanged.  The
+        set_input_* make the same test inline first (a decode loop's every step) and come here when it fails."""
         last = self._last[role]
-        if last[0] is dst and last[1] == n_tokens and last[2].tobytes() == last[3]:
+        if last.tensor is dst and last.n_tokens == n_tokens and last.words.tobytes() == last.word_bytes:
             return last
         view = view_of(dst, n_tokens)
         ent = self._tensors[id(dst)]  # (just read by _host)
-        last = self._last[role] = (dst, n_tokens, ent[0], ent[1], view, memoryview(view))
+        last = self._last[role] = _Last(dst, n_tokens, ent.words, ent.word_bytes, view, memoryview(view))
         return last
 
     # ------------------------------------------------------------------ index inputs
@@ -159,12 +184,12 @@ class KVInputs:
         n = ubatch.n_tokens
         if n == 1 and sinfo.cell >= 0:  # one token, one cell (fill_k_idxs, inline: every step)
             last = self._last[0]
-            if last[0] is not dst or last[1] != 1 or last[2].tobytes() != last[3]:  # (_last_view's test)
+            if last.tensor is not dst or last.n_tokens != 1 or last.words.tobytes() != last.word_bytes:
                 last = self._last_view(0, dst, 1, self.k_idxs_view)
-            last[5][0] = sinfo.cell + sinfo.strm[0] * self.kv_size
+            last.view_m[0] = sinfo.cell + sinfo.strm[0] * self.kv_size
             return
         self._check_slot(ubatch, sinfo)
-        self.fill_k_idxs(self._last_view(0, dst, n, self.k_idxs_view)[4], ubatch, sinfo)
+        self.fill_k_idxs(self._last_view(0, dst, n, self.k_idxs_view).view, ubatch, sinfo)
 
     def k_idxs_view(self, dst: Any, n_tokens: int) -> np.ndarray:
         """The data of the k_idxs input ``dst`` of a ubatch of ``n_tokens``, checked, as int64 [n_tokens]."""
@@ -185,12 +210,12 @@ class KVInputs:
         n = ubatch.n_tokens
         if n == 1 and sinfo.cell >= 0:  # one token, one cell (fill_v_idxs, inline: every step)
             last = self._last[1]
-            if last[0] is not dst or last[1] != 1 or last[2].tobytes() != last[3]:  # (_last_view's test)
+            if last.tensor is not dst or last.n_tokens != 1 or last.words.tobytes() != last.word_bytes:
                 last = self._last_view(1, dst, 1, self.v_idxs_view)
-            self.write_v_idxs_one(last[4], sinfo.cell, sinfo.strm[0])
+            self.write_v_idxs_one(last.view, sinfo.cell, sinfo.strm[0])
             return
         self._check_slot(ubatch, sinfo)
-        self.fill_v_idxs(self._last_view(1, dst, n, self.v_idxs_view)[4], ubatch, sinfo)
+        self.fill_v_idxs(self._last_view(1, dst, n, self.v_idxs_view).view, ubatch, sinfo)
 
     @property
     def n_v_elems(self) -> int:
@@ -260,9 +285,9 @@ class KVInputs:
         cell j, -inf elsewhere; n_kv and n_stream are the tensor's."""
         n = ubatch.n_tokens
         last = self._last[2]
-        if last[0] is not dst or last[1] != n or last[2].tobytes() != last[3]:  # (_last_view's test)
+        if last.tensor is not dst or last.n_tokens != n or last.words.tobytes() != last.word_bytes:
             last = self._last_view(2, dst, n, self.kq_mask_view)
-        rows = last[4]
+        rows = last.view
         one = ubatch.one
         if one is not None and self._plain and self.fast and rows.shape[1]:  # fill_kq_mask's decode row
             if self.mask_rows.write_one(rows, one[0], one[1], causal_attn):  # (its truth value only)
@@ -273,7 +298,7 @@ class KVInputs:
         """The data of the kq mask input ``dst`` of a ubatch of ``n_tokens``, checked, as [n_tokens, n_kv] (row i =
         token i: stream s, token ii of it, i = s*n_tps + ii)."""
         ent = self._entry(dst)
-        n_kv, _, _, ns = ent[2][1]
+        n_kv, _, _, ns = ent.header[1]
         if ns < 1 or n_tokens % ns:
             raise ValueError(f"kq mask {G.name(dst)!r}: ne[3] = {ns} streams do not split the ubatch's "
                              f"{n_tokens} tokens evenly")
