@@ -1,4 +1,4 @@
-"""The KV cache: llama.cpp's ``llama_kv_cache`` as a facade over four parts (see ``docs/architecture.md``).
+"""The KV cache: llama.cpp's ``llama_kv_cache`` as a facade over its parts (see ``docs/architecture.md``).
 
 ======================  =====================================================================  ============
 module                  owns                                                                   ggml
@@ -7,9 +7,13 @@ module                  owns                                                    
 ``bookkeeping``         cells and heads per stream, seq -> stream, queued stream copies,       no
                         ``seq_*``, ``find_slot``/``apply_ubatch``/``prepare``, ``get_n_kv``
 ``masks``               the kq mask kernels (numpy)                                            no
+``mask_rows``           ready kq-mask rows patched step to step (the decode step)              no
+``celltext``            the cells as text (inspection)                                         no
+``swa_step``            the decode step over cells a sliding window left behind                no
 ``tensors``             K/V tensors and buffers (the native handles), views, stores, copies    yes
 ``shift``               the K-shift graph, UpdateContext                                       yes
 ``inputs``              ``set_input_*``: indices, shifts, mask, position buckets               yes
+``decode_step``         CacheStep: the fused step's placement and inputs, in two calls         yes
 ``state_io``            state writers and readers                                              yes
 ``state_format``        the state layout, its parsed form and checks                           yes
 ``state_codec``         ``state_write``/``state_read``                                         yes

@@ -1,4 +1,4 @@
-"""llama.cpp's ``llama_kv_cache``: the facade over the cache's four parts.
+"""llama.cpp's ``llama_kv_cache``: the facade over the cache's parts.
 
 :class:`KVCache` has every public method of the seed, with its name and signature, and delegates each to the part
 that owns the state it touches:
