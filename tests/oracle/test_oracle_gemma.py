@@ -22,7 +22,7 @@ from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 from kvcache_ggml.runtime.llama_runner import b64_floats, llama_available, run_llama
 from kvcache_ggml.state import parse_state
 
-from test_oracle_runtime import apply_ops, compare_state
+from runtime_ops import apply_ops, compare_state
 
 pytestmark = [pytest.mark.oracle,
               pytest.mark.skipif(llama_available() is not None, reason=str(llama_available()))]
