@@ -43,7 +43,7 @@ def outcome(ctx: Context, fn):
 
 
 def graph_inputs(ctx: Context) -> list[bytes]:
-    g = ctx._prev
+    g = ctx.last_graph
     if g is None or g.kv_views is None:
         return []
     return [b"" if v is None else v.tobytes() for v in (g.tokens_h, g.pos_h, g.out_ids_h, *g.kv_views)]
@@ -177,7 +177,7 @@ def test_fused_step_across_the_padding_boundary(model):
         for k in range(280):
             batch = step_batch(rng, a, list(range(N_SEQ)), "plain")
             same(a, b, outcome(a, lambda c: c.decode(batch)), outcome(b, lambda c: c.decode(batch)), f"step {k}")
-            n_kv.add(a._prev.key.n_kv)
+            n_kv.add(a.last_graph.key.n_kv)
         assert n_kv == {256, 512} and a.fused.n_steps >= 270
 
 

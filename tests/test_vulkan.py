@@ -20,8 +20,8 @@ from kvcache_ggml import _ggml as G
 from kvcache_ggml import parity as P
 from kvcache_ggml.backends import PlacedModel, backend_status
 from kvcache_ggml.batch import Batch
-from kvcache_ggml.parity import _trace
-from kvcache_ggml.parity._config import Capture, ParityConfig, make_target
+from kvcache_ggml.parity import TraceReplay
+from kvcache_ggml.parity import Capture, ParityConfig, make_target
 from kvcache_ggml.runtime import Context
 from kvcache_ggml.runtime.backend_check import (CONFIGS, MODELS, logit_tolerance, main_parity, placed_model,
                                                 runtime_parity, write_model)
@@ -48,11 +48,11 @@ def vulkan_device() -> str:
 
 _TWO_CACHES = textwrap.dedent("""
     from kvcache_ggml.backends import PlacedModel
-    from kvcache_ggml.parity import _trace
-    from kvcache_ggml.parity._config import Capture, ParityConfig, make_target
+    from kvcache_ggml.parity import TraceReplay
+    from kvcache_ggml.parity import Capture, ParityConfig, make_target
     cfg = ParityConfig()
     pm = PlacedModel(cfg.hparams(), make_target("vulkan", cfg.n_layer).placement)
-    r = _trace._Replay(cfg, pm, "f16", Capture("vulkan", "f16", pm.layer_map()))
+    r = TraceReplay(cfg, pm, "f16", Capture("vulkan", "f16", pm.layer_map()))
     for i in range(3):
         with r.new_cache("unified") as kv:
             r.decode(kv, "A", r.counts(1, 3, 4, 9), 1)
@@ -97,10 +97,10 @@ def test_parity_cli_on_vulkan(capsys):
             assert write == "0", out
 
 
-def _replay_cache(target: str, type_: str) -> tuple[_trace._Replay, object]:
+def _replay_cache(target: str, type_: str) -> tuple[TraceReplay, object]:
     cfg = ParityConfig()
     pm = PlacedModel(cfg.hparams(), make_target(target, cfg.n_layer).placement)
-    r = _trace._Replay(cfg, pm, type_, Capture(target, type_, pm.layer_map()))
+    r = TraceReplay(cfg, pm, type_, Capture(target, type_, pm.layer_map()))
     kv = r.new_cache("streams")
     r.decode(kv, "S1", r.counts(11, 3, 3, 9), 11)   # the same K/V rows on both (no K-shift)
     return r, kv

@@ -31,9 +31,9 @@ from ._bench import BenchConfig, BenchRow, bench, bench_table, run_bench
 from ._cli import main
 from ._compare import CheckResult, ParityReport, ParityRow, compare, crash_row, run_parity
 from ._config import BACKENDS, CHECKS, Capture, Item, ParityConfig, Target, Tolerance, make_target, tolerance
-from ._trace import ReplayCrash, _replay_child, replay, replay_isolated
+from ._trace import ReplayCrash, TraceReplay, _replay_child, replay, replay_isolated
 
 __all__ = ["CHECKS", "BACKENDS", "ParityConfig", "Tolerance", "tolerance", "Target", "make_target", "Capture",
-           "replay", "CheckResult", "ParityRow", "ParityReport", "compare", "run_parity", "replay_isolated",
+           "replay", "TraceReplay", "CheckResult", "ParityRow", "ParityReport", "compare", "run_parity", "replay_isolated",
            "ReplayCrash", "crash_row", "BenchConfig", "BenchRow",
            "bench", "bench_table", "run_bench", "main"]

@@ -137,8 +137,10 @@ class _Step:
 
 # ============================================================================================== the trace
 
-class _Replay:
-    """One replay of the trace on one placement; records into a Capture."""
+class TraceReplay:
+    """One replay of the trace on one placement, recording into a Capture: ``new_cache`` makes the trace's caches
+    on the placement, each step method runs one part of the trace (tests build scenarios from them); ``close``
+    frees its backends."""
 
     def __init__(self, cfg: ParityConfig, pm: PlacedModel, type_: str, cap: Capture) -> None:
         self.cfg, self.pm, self.type, self.cap = cfg, pm, type_, cap
@@ -293,7 +295,7 @@ def replay(cfg: ParityConfig, target: Target, type_: str, *, allow_remote: bool 
     t0 = time.perf_counter()
     pm = PlacedModel(cfg.hparams(), target.placement, allow_remote=allow_remote)
     cap = Capture(target.name, G.type_name(G.parse_type(type_)), pm.layer_map())
-    r = _Replay(cfg, pm, cap.type, cap)
+    r = TraceReplay(cfg, pm, cap.type, cap)
     try:
         r.run_unified()
         r.run_streams()

@@ -527,6 +527,12 @@ class Context:
         return self.kv is None
 
     @property
+    def last_graph(self) -> DecoderGraph | None:
+        """The graph of the last decode (its key, inputs and host views; what the next step of the same shape
+        computes again), or None after a memory update, a failure or before the first decode.  For inspection."""
+        return self._prev
+
+    @property
     def lost(self) -> G.RpcServerLostError | None:
         """Why this context cannot compute any more (an RPC server of its weights or cache died), or None."""
         return self._lost
