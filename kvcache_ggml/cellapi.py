@@ -145,9 +145,9 @@ class OneCellAPI:
         return self._pos_m[i]
 
     def one_token_cell(self, head: int) -> int:
-        """find_slot's cell for one token searched from ``head`` (the rule of :meth:`one_token_slot`) if it is free,
-        else -1: without the used end, which find_slot does not need (a dirty bound stays dirty; the placement
-        usually makes it exact again)."""
+        """find_slot's cell for one token searched from ``head`` -- the head, or cell 0 after the search's restart --
+        if it is free, else -1.  The one home of the one-token placement rule: find_slot's decode path,
+        :meth:`one_token_slot` and the fused step come here."""
         head = slot_search_start(head, self._used.n, 1)
         if head >= len(self._pos_m) or self._pos_m[head] >= 0:
             return -1
@@ -157,10 +157,10 @@ class OneCellAPI:
         """find_slot's cell for one token searched from ``head`` -- the head, or cell 0 when the head is more than two
         cells past the used count (the search's restart) -- if that cell is free: (the cell, used_max_p1() once a
         token is placed there); None when it is occupied or past the end.  (The decode step's query, one call.)"""
-        u = self._used
-        head = slot_search_start(head, u.n, 1)
-        if head >= len(self._pos_m) or self._pos_m[head] >= 0:
+        head = self.one_token_cell(head)
+        if head < 0:
             return None
+        u = self._used
         end = u.end(self._pos, self._pos_m) if u.hi_dirty else u.hi
         return head, (end if end > head else head + 1)
 

@@ -359,12 +359,14 @@ class KVBookkeeping:
     def _slot_in(self, strm: int, n_tokens: int, cont: bool) -> np.ndarray | None:
         """find_slot in one stream: ``n_tokens`` cells from its head (int64), or None when there is no room."""
         cells = self.v_cells[strm]
+        # the decode step: the head cell (after find_slot's restart at 0) is free, always usable
+        i = cells.one_token_cell(self.v_heads[strm]) if n_tokens == 1 and not cont else -1
+        if i >= 0:
+            return self._cell_col[i]
         head_cur = slot_search_start(self.v_heads[strm], cells.get_used(), n_tokens)
         if n_tokens > self.kv_size:
             log.error("find_slot: n_tokens = %d > size = %d", n_tokens, self.kv_size)
             return None
-        if n_tokens == 1 and not cont and head_cur < self.kv_size and cells.pos_at(head_cur) < 0:
-            return self._cell_col[head_cur]  # the decode step: the head cell is free (always usable)
         if self.fast and not cont:  # a few cells from the head, usable (free, or left behind by the window)?
             h = slot_run(self, cells, head_cur, n_tokens)
             if h is not None:
@@ -591,7 +593,6 @@ class KVBookkeeping:
             for q in cells.seq_ids():
                 log.debug("find_slot: stream[%d] min[%d] = %5d, max[%d] = %5d", strm, q, cells.seq_pos_min(q), q,
                           cells.seq_pos_max(q))
-
 
 
 def _clamp_range(p0: int, p1: int) -> tuple[int, int]:
