@@ -29,13 +29,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests" / "oracle"))  # llama_runner
 
 from bench_runtime import MODELS, MODES  # noqa: E402
 
 from kvcache_ggml.runtime import make_model  # noqa: E402
-from kvcache_ggml.runtime.llama_runner import ORACLE_PY, llama_available  # noqa: E402
+from llama_runner import ORACLE_PY, llama_available  # noqa: E402
 
-RUNNER = ROOT / "kvcache_ggml" / "runtime" / "llama_runner.py"
+RUNNER = ROOT / "tests" / "oracle" / "llama_runner.py"
 OURS = """
 import sys, numpy as np
 from kvcache_ggml.batch import Batch

@@ -35,9 +35,11 @@ import numpy as np
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.prefix import HostParams, PrefixParams
 from kvcache_ggml.runtime import Context, Model, make_model
-from kvcache_ggml.runtime.llama_runner import ORACLE_PY, llama_available
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 from kvcache_ggml.runtime.server import Server, chat_workload
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "oracle"))
+from llama_runner import ORACLE_PY, llama_available  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -27,10 +27,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracle"))  # llama_runner
 
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, Reference, RuntimeParams, Vocab
-from kvcache_ggml.runtime.llama_runner import b64_floats, llama_available, run_llama
+from llama_runner import b64_floats, llama_available, run_llama
 
 PROMPTS = ("Return the number of", "This module provides", "If the file does not exist,", "The default value")
 

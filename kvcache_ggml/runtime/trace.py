@@ -1,7 +1,7 @@
 """Node traces: the value of every named graph node as it is computed, and the first one two traces disagree on.
 
 :class:`NodeTrace` records our runtime's nodes through the scheduler's eval callback (what llama.cpp's ``cb_eval``
-does for llama.cpp; :mod:`~kvcache_ggml.runtime.llama_runner` records llama.cpp's the same way).  The decoder graph
+does for llama.cpp; ``tests/oracle/llama_runner.py`` records llama.cpp's the same way).  The decoder graph
 names its nodes as llama.cpp's graph callback does (``attn_norm-0``, ``Qcur-0``, ``kq-0``, ``kq_soft_max-0``,
 ``kqv-0``, ``kqv_out-0``, ... ``result_output``), so :func:`first_difference` can walk both traces in compute
 order and name the first node whose bytes differ.  A name can occur more than once in a graph (``Qcur-0`` before and

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
-ORACLE_SRC = Path(os.environ.get("KVORACLE_SRC", Path(__file__).resolve().parents[3] / "shared" / "oracle"))
-ORACLE_PY = ORACLE_DIR / "venv" / "bin" / "python"
+from llama_runner import ORACLE_DIR, ORACLE_PY, ORACLE_SRC  # the one place naming the oracle  # noqa: E402
 REPLAY = Path(__file__).with_name("replay_oracle.py")
 
 

@@ -21,7 +21,7 @@ from kvcache_ggml import _ggml as G
 from kvcache_ggml._ggml._lib import LIB_DIR
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, make_model
-from kvcache_ggml.runtime.llama_runner import ORACLE_PY, b64_floats, llama_available, run_llama, trace_nodes
+from llama_runner import ORACLE_PY, b64_floats, llama_available, run_llama, trace_nodes
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 from kvcache_ggml.runtime.trace import NodeTrace, first_difference
 

@@ -19,7 +19,7 @@ from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context
 from kvcache_ggml.runtime.arch import load_model
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
-from kvcache_ggml.runtime.llama_runner import b64_floats, llama_available, run_llama
+from llama_runner import b64_floats, llama_available, run_llama
 from kvcache_ggml.state import parse_state
 
 from runtime_ops import apply_ops, compare_state

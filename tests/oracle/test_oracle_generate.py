@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvcache_ggml.runtime import Vocab, make_model
-from kvcache_ggml.runtime.llama_runner import llama_available
+from llama_runner import llama_available
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 
 pytestmark = [pytest.mark.oracle,

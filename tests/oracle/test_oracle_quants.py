@@ -11,7 +11,7 @@ import pytest
 
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, make_model
-from kvcache_ggml.runtime.llama_runner import b64_floats, llama_available, run_llama
+from llama_runner import b64_floats, llama_available, run_llama
 from kvcache_ggml.runtime.modelmaker import WEIGHT_TYPES, ModelSpec
 
 pytestmark = [pytest.mark.oracle,

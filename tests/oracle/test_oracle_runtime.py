@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvcache_ggml.runtime import Context, Model, NodeList, make_model
-from kvcache_ggml.runtime.llama_runner import b64_floats, llama_available, run_llama
+from llama_runner import b64_floats, llama_available, run_llama
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 
 from runtime_ops import apply_ops, compare_state

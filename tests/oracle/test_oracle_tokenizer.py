@@ -5,19 +5,18 @@ add_special and parse_special; detokenize with and without special."""
 from __future__ import annotations
 
 import base64
-import os
 from pathlib import Path
 
 import pytest
 
-from kvcache_ggml.runtime.llama_runner import llama_available, run_llama
 from kvcache_ggml.runtime.tokenizer import Vocab
+from llama_runner import ORACLE_DIR, llama_available, run_llama
 
 pytestmark = [pytest.mark.oracle,
               pytest.mark.skipif(llama_available() is not None, reason=str(llama_available()))]
 
 DATA = Path(__file__).parents[1] / "data" / "vocab"
-ORACLE_MODELS = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle")) / "src" / "llama_cpp_python-0.3.17" / \
+ORACLE_MODELS = ORACLE_DIR / "src" / "llama_cpp_python-0.3.17" / \
     "vendor" / "llama.cpp" / "models"
 EXTRA = ["<|endoftext|>hello<s> </s>", "   leading and trailing   ", "tab\there\r\nnext", "日本語 テキスト",
          "123456789 3.14159 1,000,000", "a\n\n\nb", "<unk>x<0x41>", "Hello <|begin_of_text|> world", "it's we'll I'd",

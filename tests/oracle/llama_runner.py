@@ -1,5 +1,8 @@
 """Run a script of decode / memory / state operations on llama.cpp itself (llama-cpp-python), for comparisons.
 
+A tool of the oracle suite, the benchmarks and the scripts (not of the product package); they import it from here
+(``tests/oracle`` on ``sys.path``).
+
 Two halves:
 
 * :func:`run_llama` (our interpreter): runs this file under the oracle's Python (``ORACLE_PY``, default
@@ -35,8 +38,12 @@ import sys
 import time
 from pathlib import Path
 
+# where the oracle lives -- the one place that names it (tests/oracle/conftest.py, the benchmarks and the scripts
+# import these): ORACLE_DIR, what ../shared/oracle/build.sh builds (its venv with llama-cpp-python 0.3.17, the
+# kvoracle library, tiny.gguf); ORACLE_SRC, the oracle's sources (kvoracle.py, build.sh) beside the checkout
 ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
 ORACLE_PY = Path(os.environ.get("ORACLE_PY", ORACLE_DIR / "venv" / "bin" / "python"))
+ORACLE_SRC = Path(os.environ.get("KVORACLE_SRC", Path(__file__).resolve().parents[3] / "shared" / "oracle"))
 
 _GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 
@@ -44,7 +51,7 @@ _GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 def llama_available() -> str | None:
     """None when llama-cpp-python can be run, else why not."""
     if not ORACLE_PY.exists():
-        return f"{ORACLE_PY} missing: build the oracle with ../shared/oracle/build.sh"
+        return f"{ORACLE_PY} missing: build the oracle with {ORACLE_SRC / 'build.sh'}"
     return None
 
 
