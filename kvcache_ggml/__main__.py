@@ -17,9 +17,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "make-model": ("kvcache_ggml.runtime.modelmaker", "main", "write a tiny random-weight llama GGUF"),
     "rpc-server": ("kvcache_ggml.backends", "main_rpc_server", "serve a ggml RPC backend"),
     "parity": ("kvcache_ggml.parity", "main", "replay one trace on every backend and compare with the CPU"),
-    "runtime-parity": ("kvcache_ggml.runtime.backend_check", "main_parity",
+    "runtime-parity": ("kvcache_ggml.parity.runtime_check", "main_parity",
                        "the runtime on a backend against the CPU: logits and greedy tokens"),
-    "step-times": ("kvcache_ggml.runtime.backend_check", "main_step_times",
+    "step-times": ("kvcache_ggml.parity.runtime_check", "main_step_times",
                    "host time per decode step beside the backend's compute time"),
 }
 

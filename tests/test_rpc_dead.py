@@ -27,7 +27,7 @@ from kvcache_ggml.batch import Batch
 from kvcache_ggml.hparams import HParams
 from kvcache_ggml.parity import make_target
 from kvcache_ggml.runtime import Context, load_model
-from kvcache_ggml.runtime.backend_check import write_model
+from kvcache_ggml.parity.runtime_check import write_model
 
 from rpc_proxy import CutProxy
 

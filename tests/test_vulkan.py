@@ -23,7 +23,7 @@ from kvcache_ggml.batch import Batch
 from kvcache_ggml.parity import TraceReplay
 from kvcache_ggml.parity import Capture, ParityConfig, make_target
 from kvcache_ggml.runtime import Context
-from kvcache_ggml.runtime.backend_check import (CONFIGS, MODELS, logit_tolerance, main_parity, placed_model,
+from kvcache_ggml.parity.runtime_check import (CONFIGS, MODELS, logit_tolerance, main_parity, placed_model,
                                                 runtime_parity, write_model)
 
 pytestmark = pytest.mark.vulkan

@@ -25,7 +25,9 @@ everywhere: the RPC server runs the same CPU code.  Each backend replays in a ch
 row as CRASH); ``--bench`` times a model-sized cache on each backend instead.
 
 Modules: ``_config`` (ParityConfig, tolerances, targets, Capture), ``_trace`` (the replay, in process or in a child),
-``_compare`` (comparison, report, run_parity), ``_bench`` (``--bench``), ``_cli`` (main).
+``_compare`` (comparison, report, run_parity), ``_bench`` (``--bench``), ``_cli`` (main), ``runtime_check`` (the
+runtime's logits on a backend against the CPU, ``python -m kvcache_ggml runtime-parity``, and the decode-step
+timing table, ``step-times``).
 """
 from ._bench import BenchConfig, BenchRow, bench, bench_table, run_bench
 from ._cli import main

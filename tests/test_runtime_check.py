@@ -1,4 +1,4 @@
-"""kvcache_ggml.runtime.backend_check: the runtime on a backend against the CPU, and the decode-step timing table.
+"""kvcache_ggml.parity.runtime_check: the runtime on a backend against the CPU, and the decode-step timing table.
 
 On this machine the backend is a loopback RPC server, which runs the CPU's own code: every logit must be equal.
 The comparison itself is checked against figures computed here from the two contexts' logits.
@@ -11,7 +11,7 @@ import pytest
 from kvcache_ggml import _ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, make_model
-from kvcache_ggml.runtime.backend_check import (CONFIGS, QUICK_MODELS, ParityRow, Lockstep, logit_tolerance,
+from kvcache_ggml.parity.runtime_check import (CONFIGS, QUICK_MODELS, ParityRow, Lockstep, logit_tolerance,
                                                 main_step_times, runtime_parity)
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 

@@ -45,11 +45,12 @@ from .. import _ggml as G
 from ..backends import PlacedModel, PlacementError, local_rpc_server
 from ..batch import Batch
 from ..hparams import HParams
-from .arch import load_model
-from .context import Context
-from .gemma_maker import GemmaSpec, make_gemma_model
-from .model import Model
-from .modelmaker import ModelSpec, make_model
+from ..runtime.arch import load_model
+from ..runtime.context import Context
+from ..runtime.gemma_maker import GemmaSpec, make_gemma_model
+from ..runtime.model import Model
+from ..runtime.modelmaker import ModelSpec, make_model
+from ._config import make_target
 
 __all__ = ["RunConfig", "CONFIGS", "MODELS", "QUICK_MODELS", "TIMING_MODEL", "ParityRow", "Lockstep", "StepRow",
            "logit_tolerance", "placed_model", "write_model", "runtime_parity", "parity_table", "step_times",
@@ -124,7 +125,6 @@ def placed_model(path: Path, backend: str, threads: int, split: str = "all") -> 
     "cuda", "vulkan", "rpc": a loopback server for the block, ...): all of them, or with ``split="half"`` the last
     ``n_layer // 2 + 1`` of the layers and the output as llama.cpp's n_gpu_layers places them; PlacementError when
     the backend is not built or has no device."""
-    from ..parity import make_target  # the placements of the parity harness: the same resolution and errors
 
     hp = HParams.from_gguf(path)
     with contextlib.ExitStack() as stack:
