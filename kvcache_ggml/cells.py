@@ -24,7 +24,9 @@ Whole cells enter and leave both indices through two private helpers, :meth:`KVC
 :meth:`KVCells._index_remove` (moves, shifts, removals, restores).  The mutators of the decode path update them in
 place for the one sequence they know: :meth:`~KVCells.place` (new cells: the used range and their sequences'
 multisets), :meth:`~KVCells.seq_add_many` / :meth:`~KVCells.seq_rm_many` (one sequence joins or leaves cells: its
-multiset, and the used range for cells left empty) and :meth:`~KVCells.pos_set` (the used range).
+multiset, and the used range for cells left empty) and :meth:`~KVCells.pos_set` (the used range), and so do
+their scalar variants in :mod:`kvcache_ggml.cellapi` (``place_one``, ``seq_rm_last``, ``rm_only``), each for the one
+cell and sequence it changes.
 :meth:`~KVCells.check_invariants` recomputes both indices from the arrays and reports every disagreement.
 
 Every llama.cpp method has a counterpart with the same name working on one cell (:mod:`kvcache_ggml.cellapi`).  The
