@@ -36,9 +36,12 @@ class RpcServerLostError(ConnectionError):
         self.endpoints = endpoints
 
 
+_HAS_STATUS_API = all(has(n) for n in _RPC_STATUS_API)  # the table is fixed once the libraries are loaded
+
+
 def rpc_status_api() -> bool:
     """True when this ggml's RPC client has build.py's patches (failures counted, not aborting)."""
-    return all(has(n) for n in _RPC_STATUS_API)
+    return _HAS_STATUS_API
 
 
 _timeout_s = 0.0  # what the C side was last set to
@@ -69,7 +72,7 @@ def rpc_timeout() -> float:
 
 def rpc_failure_count() -> int:
     """Failed exchanges with any RPC server since the process started (0 without build.py's RPC patches)."""
-    return _F["ggml_backend_rpc_failure_count"]() if rpc_status_api() else 0
+    return _F["ggml_backend_rpc_failure_count"]() if _HAS_STATUS_API else 0
 
 
 def endpoint_of(buffer_name: str) -> str:
@@ -89,7 +92,7 @@ class RpcWatch:
     @classmethod
     def of(cls, buffers: Iterable[int]) -> "RpcWatch":
         """A watch over those of ``buffers`` (ggml_backend_buffer_t) that live on RPC servers."""
-        if not rpc_status_api():
+        if not _HAS_STATUS_API:
             return cls((), 0)
         status = _F["ggml_backend_rpc_buffer_status"]
         name = _F["ggml_backend_buffer_name"]
@@ -135,5 +138,5 @@ def lost_error(what: str, endpoints: tuple[str, ...], detail: str = "") -> RpcSe
     return RpcServerLostError(msg + (f"; {detail}" if detail else ""), endpoints)
 
 
-if rpc_status_api():
+if _HAS_STATUS_API:
     set_rpc_timeout(RPC_TIMEOUT_S)

@@ -329,7 +329,7 @@ class Backends:
         s = self._sched()
         remote = [d for d in self.devices if d.endpoint]
         endpoints = [d.endpoint for d in remote]
-        n0 = G.rpc_failure_count() if endpoints else 0
+        n0 = G.rpc_failure_count() if remote else 0
         try:
             s.reset()
             s.alloc_graph(graph)
