@@ -1,4 +1,4 @@
-"""Run timing code on llama.cpp's own cache (../shared/oracle) in its interpreter, side by side with ours.
+"""Run timing code on llama.cpp's own cache (built by scripts/build_reference.sh) in its interpreter, side by side with ours.
 
 ``pin()`` puts this process (and the oracle's interpreter it starts) on the same CPUs.  ``oracle_timings(script)`` runs ``script`` under the oracle's Python with ``kvoracle`` importable and returns what
 it printed as JSON, or None when the oracle is not built.  ``step_lib()`` builds ``_oracle_step.cpp`` (timing
@@ -11,12 +11,12 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
-ORACLE_SRC = Path(os.environ.get("KVORACLE_SRC", Path(__file__).resolve().parents[2] / "shared" / "oracle"))
-ORACLE_PY = ORACLE_DIR / "venv" / "bin" / "python"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "oracle"))
+from llama_runner import ORACLE_DIR, ORACLE_PY, ORACLE_SRC  # noqa: E402  (the one place naming the reference)
 
 
 _ALL_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []

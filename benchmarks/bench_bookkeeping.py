@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(int(s), int(n)) for s in a.sizes.split(",") for n in a.seqs.split(",")]
     theirs = oracle_timings(f"CASES = {cases!r}\nITERS = {a.iters}\n" + ORACLE_SCRIPT) or {}
     if not theirs:
-        print("(llama.cpp oracle not built: ../shared/oracle/build.sh — showing our times only)")
+        print("(llama.cpp oracle not built: bash scripts/build_reference.sh — showing our times only)")
     print(f"{'kv_size':>8} {'seqs':>4} {'operation':<15} {'ours µs':>10} {'llama.cpp µs':>13} {'ratio':>7}")
     for kv_size, n_seq in cases:
         mine = ours(kv_size, n_seq, a.iters)

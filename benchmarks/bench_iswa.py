@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,8 +26,8 @@ from kvcache_ggml.runtime.gemma import GemmaShape
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 
 ROOT = Path(__file__).resolve().parents[1]
-ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
-ORACLE_PY = ORACLE_DIR / "venv" / "bin" / "python"
+sys.path.insert(0, str(ROOT / "tests" / "oracle"))
+from llama_runner import ORACLE_DIR, ORACLE_PY  # noqa: E402  (the one place naming the reference)
 
 
 def ours(model: Path, pos0: int, n: int) -> float:
@@ -57,10 +56,9 @@ def theirs(model: Path, pos0: int, n: int) -> float | None:
     """llama.cpp's seconds per step, or None without the oracle."""
     if not ORACLE_PY.exists():
         return None
-    lib = Path(tempfile.gettempdir()) / "kvoracle_iswa" / "libkvoracle_iswa-bench.so"
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["bash", str(ROOT / "tests" / "oracle" / "build_iswa.sh"), str(lib)], check=True,
-                   capture_output=True)
+    lib = ORACLE_DIR / "libkvoracle_iswa.so"
+    if not lib.exists():
+        return None
     ops = [["time", 0, 0, pos0]] if pos0 else []
     ops.append(["time", 0, pos0, n])
     spec = {"lib": str(lib), "model": str(model), "dump": False, "ops": ops,

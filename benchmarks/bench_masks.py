@@ -30,9 +30,8 @@ from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams
 
 ROOT = Path(__file__).resolve().parents[1]
-ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
-ORACLE_SRC = Path(os.environ.get("KVORACLE_SRC", ROOT.parent / "shared" / "oracle"))
-ORACLE_PY = ORACLE_DIR / "venv" / "bin" / "python"
+sys.path.insert(0, str(ROOT / "tests" / "oracle"))
+from llama_runner import BUILD_REFERENCE, ORACLE_DIR, ORACLE_PY, ORACLE_SRC  # noqa: E402  (the one place naming it)
 
 FILL_CASES = [(1, 4096), (1, 32768), (512, 4096), (512, 32768)]
 
@@ -170,7 +169,7 @@ oc.close()
 def oracle_missing() -> str | None:
     for p in (ORACLE_PY, ORACLE_DIR / "libkvoracle.so", ORACLE_DIR / "tiny.gguf", ORACLE_SRC / "kvoracle.py"):
         if not p.exists():
-            return f"{p} missing (build it with {ORACLE_SRC / 'build.sh'})"
+            return f"{p} missing (build it with bash {BUILD_REFERENCE})"
     return None
 
 

@@ -10,7 +10,7 @@ stream, each stream half full):
 * ``8``  -- eight sequences in one unified stream, one token each;
 * ``8s`` -- eight sequences, one stream each (``kv_unified=False``).
 
-llama.cpp's side runs in the oracle's interpreter (../shared/oracle) with ``_oracle_step.cpp``: its n-sequence step
+llama.cpp's side runs in the oracle's interpreter (scripts/build_reference.sh) with ``_oracle_step.cpp``: its n-sequence step
 (and a mask-free fill), built on first use against the oracle's llama.cpp.  Each side takes the best of
 ``--repeats`` timed runs of ``--iters`` steps per round, over ``--rounds`` rounds that alternate ours and
 llama.cpp's; the table gives the best per-step time, the spread of all runs ((worst - best) / best) and the ratio

@@ -1,23 +1,22 @@
-"""The oracle suite: llama.cpp's own KV cache (../shared/oracle), built by its build.sh.
+"""The oracle suite: llama.cpp's own KV cache and runtime, built by scripts/build_reference.sh.
 
 Run with ``python3 build.py test -m oracle``.  Every test here is skipped when the oracle is not built.
 """
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from llama_runner import ORACLE_DIR, ORACLE_PY, ORACLE_SRC  # the one place naming the oracle  # noqa: E402
+from llama_runner import BUILD_REFERENCE, ORACLE_DIR, ORACLE_PY, ORACLE_SRC  # the one place naming the oracle  # noqa: E402
 REPLAY = Path(__file__).with_name("replay_oracle.py")
 
 
 def oracle_missing() -> str | None:
     for p in (ORACLE_DIR / "libkvoracle.so", ORACLE_PY, ORACLE_DIR / "tiny.gguf", ORACLE_SRC / "kvoracle.py"):
         if not p.exists():
-            return f"oracle not built ({p} missing): run {ORACLE_SRC / 'build.sh'}"
+            return f"oracle not built ({p} missing): run bash {BUILD_REFERENCE}"
     return None
 
 

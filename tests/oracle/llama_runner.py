@@ -38,12 +38,15 @@ import sys
 import time
 from pathlib import Path
 
-# where the oracle lives -- the one place that names it (tests/oracle/conftest.py, the benchmarks and the scripts
-# import these): ORACLE_DIR, what ../shared/oracle/build.sh builds (its venv with llama-cpp-python 0.3.17, the
-# kvoracle library, tiny.gguf); ORACLE_SRC, the oracle's sources (kvoracle.py, build.sh) beside the checkout
+# where the reference lives -- the one place that names it (tests/oracle/conftest.py, the benchmarks and the scripts
+# import these): ORACLE_DIR, what scripts/build_reference.sh builds (its venv with llama-cpp-python 0.3.17, the
+# kvoracle shims, tiny.gguf, bin/llama-server); ORACLE_SRC, the shims' sources (this folder: kvoracle.py,
+# kv_oracle.cpp, kv_oracle_iswa.cpp, make_tiny_llama.py); BUILD_REFERENCE, the script
 ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
 ORACLE_PY = Path(os.environ.get("ORACLE_PY", ORACLE_DIR / "venv" / "bin" / "python"))
-ORACLE_SRC = Path(os.environ.get("KVORACLE_SRC", Path(__file__).resolve().parents[3] / "shared" / "oracle"))
+ORACLE_SRC = Path(__file__).resolve().parent
+BUILD_REFERENCE = ORACLE_SRC.parents[1] / "scripts" / "build_reference.sh"
+LLAMA_SERVER = ORACLE_DIR / "bin" / "llama-server"
 
 _GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 
@@ -51,7 +54,7 @@ _GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8}
 def llama_available() -> str | None:
     """None when llama-cpp-python can be run, else why not."""
     if not ORACLE_PY.exists():
-        return f"{ORACLE_PY} missing: build the oracle with {ORACLE_SRC / 'build.sh'}"
+        return f"{ORACLE_PY} missing: build the reference with bash {BUILD_REFERENCE}"
     return None
 
 

@@ -2,8 +2,8 @@
 
     /tmp/kvoracle/venv/bin/python tests/oracle/record_golden.py          # writes tests/data/golden_traces.npz
 
-Runs under the oracle's interpreter (``ORACLE_DIR``, default /tmp/kvoracle; ``KVORACLE_SRC``, default
-../shared/oracle).  Nothing here imports kvcache_ggml: the operations are generated from the oracle's own answers
+Runs under the oracle's interpreter (``ORACLE_DIR``, default /tmp/kvoracle; ``KVORACLE_SRC``, default this folder;
+tests/oracle).  Nothing here imports kvcache_ggml: the operations are generated from the oracle's own answers
 (``seq_pos_max``, its cells), so the file holds llama.cpp's behaviour alone.  Each trace runs in a subprocess of
 this script (``--worker``), which prints one JSON line per operation: an assert in llama.cpp aborts only that
 process, and the trace then ends with the aborted operation (the replay expects kvcache_ggml to raise there and
@@ -62,7 +62,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 ORACLE_DIR = Path(os.environ.get("ORACLE_DIR", "/tmp/kvoracle"))
-ORACLE_SRC = Path(os.environ.get("KVORACLE_SRC", HERE.parents[2] / "shared" / "oracle"))
+ORACLE_SRC = HERE  # kvoracle.py and kv_oracle.cpp (scripts/build_reference.sh builds the library)
 OUT = ROOT / "tests" / "data" / "golden_traces.npz"
 FORMAT = 1
 LLAMA_MAX_SEQ = 256
@@ -439,7 +439,7 @@ def main() -> None:
         return
     for p in (ORACLE_DIR / "libkvoracle.so", ORACLE_DIR / "tiny.gguf", ORACLE_SRC / "kvoracle.py"):
         if not p.exists():
-            raise SystemExit(f"oracle not built ({p} missing): run {ORACLE_SRC / 'build.sh'}")
+            raise SystemExit(f"oracle not built ({p} missing): run bash scripts/build_reference.sh")
     check_model()
     names = a.only or list(CONFIGS)
     traces = []

@@ -1,4 +1,4 @@
-"""Replays a JSON trace on llama.cpp's own KV cache (../shared/oracle) and prints one JSON line per step.
+"""Replays a JSON trace on llama.cpp's own KV cache (tests/oracle/kvoracle.py, built by scripts/build_reference.sh) and prints one JSON line per step.
 
 Runs under the oracle's interpreter (/tmp/kvoracle/venv/bin/python), in a subprocess of the test, so that a
 llama.cpp abort ends this process and not the test run.  Input (stdin): {"cache": {...}, "model": path, "ops": [...]}.
@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.environ.get("KVORACLE_SRC", os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "oracle")))
+sys.path.insert(0, os.environ.get("KVORACLE_SRC", os.path.dirname(os.path.abspath(__file__))))
 import kvoracle  # noqa: E402
 
 
