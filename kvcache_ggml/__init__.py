@@ -14,11 +14,11 @@ __version__ = "0.1.0"
 
 # public names defined in modules imported on first access: name -> module
 _LAZY = {
-    "KVCells": ".cells",
+    "KVCells": ".cache.cells",
     "Batch": ".batch",
     "KVCache": ".cache",
-    "KVCacheISWA": ".iswa",
-    "SWACheckpoints": ".swa_checkpoint",
+    "KVCacheISWA": ".cache.iswa",
+    "SWACheckpoints": ".cache.swa_checkpoint",
 }
 
 __all__ = ["HParams", "RopeType", "SwaType", "is_masked_swa", "is_masked_swa_np", "llama_relative_position_bucket",

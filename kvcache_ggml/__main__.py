@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "info": ("kvcache_ggml.__main__", "info", "ggml version, backends and devices"),
     "demo": ("kvcache_ggml.demo", "main", "the main job: a tiny model decoding several sequences on the cache"),
     "generate": ("kvcache_ggml.generate", "main", "text in, text out: continue a prompt with a GGUF model"),
-    "inspect": ("kvcache_ggml._state_cli", "main_inspect", "print a state file's streams, cells and layers"),
+    "inspect": ("kvcache_ggml.cache.state.cli", "main_inspect", "print a state file's streams, cells and layers"),
     "make-model": ("kvcache_ggml.runtime.modelmaker", "main", "write a tiny random-weight llama GGUF"),
     "rpc-server": ("kvcache_ggml.backends", "main_rpc_server", "serve a ggml RPC backend"),
     "parity": ("kvcache_ggml.parity", "main", "replay one trace on every backend and compare with the CPU"),

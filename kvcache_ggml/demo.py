@@ -34,7 +34,7 @@ __all__ = ["main", "restore_check", "RestoreCheck", "same_sequence_state"]
 def _cell_maps(ctx, width: int = 128) -> list[str]:
     """The cache's cell map per stream (both caches of a sliding-window model), cut into lines of ``width`` cells."""
     from .cache import cell_map_text
-    from .iswa import KVCacheISWA
+    from .cache.iswa import KVCacheISWA
     lines = []
     caches = ([("base cache, ", ctx.kv.get_base()), ("SWA cache, ", ctx.kv.get_swa())]
               if isinstance(ctx.kv, KVCacheISWA) else [("", ctx.kv)])
@@ -139,7 +139,7 @@ def restore_check(ctx, src: int, dst: int, history: list[int], probe: int, flash
 def _full_attention_cache(kv):
     """The cache the full-attention layers read: the iSWA pair's base cache (whose positions of a sequence are a
     superset of the SWA cache's), else the cache itself."""
-    from .iswa import KVCacheISWA
+    from .cache.iswa import KVCacheISWA
     return kv.get_base() if isinstance(kv, KVCacheISWA) else kv
 
 
@@ -147,7 +147,7 @@ def same_sequence_state(a: bytes, b: bytes) -> bool:
     """Two sequence state blobs hold the same cells: same order, positions and K/V bytes (the sequence ids and the
     stream, which a single-sequence blob also records, may differ).  A blob of a sliding-window model is the base
     cache's state followed by the SWA cache's: every cache's part is compared."""
-    from .state import parse_state
+    from .cache.state.files import parse_state
 
     def content(blob: bytes) -> list:
         out, rest = [], memoryview(blob)

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # (name, path, exact old text, new text): one-line bugs the default suite must catch
 MUTATIONS = [
-    ("head-reset constant (slot_search_start)", "kvcache_ggml/cellapi.py",
+    ("head-reset constant (slot_search_start)", "kvcache_ggml/cache/cells/onecell.py",
      "return 0 if head > n_used + 2 * n_tokens else head",
      "return 0 if head > n_used + 3 * n_tokens else head"),
     ("find_slot skips the restart at cell 0", "kvcache_ggml/cache/bookkeeping.py",
@@ -90,7 +90,7 @@ MUTATIONS = [
     ("decode init skips the continuity check", "kvcache_ggml/batch/_decode.py",
      "    if p < -1 or (m >= 0 and p != m + 1):  # (the general path's errors)",
      "    if p < -1:  # (the general path's errors)"),
-    ("decode undo ignores a second position in range", "kvcache_ggml/cellapi.py",
+    ("decode undo ignores a second position in range", "kvcache_ggml/cache/cells/onecell.py",
      "if p < p0 or p >= p1 or ms.counts[-1] != 1 or (len(keys) > 1 and keys[-2] >= p0):",
      "if p < p0 or p >= p1 or ms.counts[-1] != 1:"),
     ("decode placement over an occupied cell", "kvcache_ggml/cache/bookkeeping.py",
@@ -114,7 +114,7 @@ MUTATIONS = [
     ("decode ubatch's int position off by one", "kvcache_ggml/batch/_split.py",
      "(self._seqs[0], pos.item(0)) if n == 1",
      "(self._seqs[0], pos.item(0) + 1) if n == 1"),
-    ("find_slot's one-token cell skips the restart at cell 0", "kvcache_ggml/cellapi.py",
+    ("find_slot's one-token cell skips the restart at cell 0", "kvcache_ggml/cache/cells/onecell.py",
      "        head = slot_search_start(head, self._used.n, 1)\n",
      "        head = head\n"),
     ("find_slot's decode path takes the head without the one-token rule", "kvcache_ggml/cache/bookkeeping.py",
@@ -123,10 +123,10 @@ MUTATIONS = [
     ("kept mask rows copied as bytes when not one span", "kvcache_ggml/cache/mask_rows.py",
      "        if len(self.seqs) == 1 or n_kv == self.rows.shape[1]:",
      "        if len(self.seqs) >= 1 or n_kv == self.rows.shape[1]:"),
-    ("state: v_trans flag written", "kvcache_ggml/cache/state_codec.py",
+    ("state: v_trans flag written", "kvcache_ggml/cache/state/codec.py",
      "io.write(DATA_HDR.pack(int(t.v_trans), len(t.layers)))",
      "io.write(DATA_HDR.pack(int(not t.v_trans), len(t.layers)))"),
-    ("state: cells written in reverse", "kvcache_ggml/cache/state_codec.py",
+    ("state: cells written in reverse", "kvcache_ggml/cache/state/codec.py",
      "idxs = np.flatnonzero(mask)\n",
      "idxs = np.flatnonzero(mask)[::-1]\n"),
 ]

@@ -296,7 +296,7 @@ def test_rebuild_indices_matches_incremental():
 
 def test_position_multiset_bulk_updates_match_a_counter():
     import collections
-    from kvcache_ggml.cellindex import PosMultiset as _PosMultiset
+    from kvcache_ggml.cache.cells.index import PosMultiset as _PosMultiset
     rng = np.random.default_rng(0)
     for _ in range(200):
         m, ref = _PosMultiset(), collections.Counter()

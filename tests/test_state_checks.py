@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from kvcache_ggml._state_cli import main_inspect
+from kvcache_ggml.cache.state.cli import main_inspect
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams
 from kvcache_ggml.state import load_seq_file, parse_state, save_seq_file

@@ -4,23 +4,25 @@
 module                  owns                                                                   ggml
 ======================  =====================================================================  ============
 ``types``               value objects: KVCacheParams, SlotInfo, StreamCopyInfo, MemoryStatus   no
+``cells/``              KVCells, the cells of one stream (llama_kv_cells), and their indices   no
 ``bookkeeping``         cells and heads per stream, seq -> stream, queued stream copies,       no
                         ``seq_*``, ``find_slot``/``apply_ubatch``/``prepare``, ``get_n_kv``
+``swa_step``            the decode step over cells a sliding window left behind                no
+``celltext``            the cells as text (inspection)                                         no
 ``masks``               the kq mask kernels (numpy)                                            no
 ``mask_rows``           ready kq-mask rows patched step to step (the decode step)              no
-``celltext``            the cells as text (inspection)                                         no
-``swa_step``            the decode step over cells a sliding window left behind                no
 ``tensors``             K/V tensors and buffers (the native handles), views, stores, copies    yes
 ``shift``               the K-shift graph, UpdateContext                                       yes
 ``inputs``              ``set_input_*``: indices, shifts, mask, position buckets               yes
 ``decode_step``         CacheStep: the fused step's placement and inputs, in two calls         yes
-``state_io``            state writers and readers                                              yes
-``state_format``        the state layout, its parsed form and checks                           yes
-``state_codec``         ``state_write``/``state_read``                                         yes
-``state_files``         sequence state files, ``parse_state``                                  yes
+``state/``              save and restore: ``format`` (layout, checks), ``io`` (writers,        yes
+                        readers), ``codec`` (``state_write``/``state_read``), ``files``
+                        (sequence state files, ``parse_state``), ``cli`` (``inspect``)
 ``context``             KVCacheContext (llama_kv_cache_context)                                yes
 ``kvcache``             KVCache, the facade with llama.cpp's method names                      yes
 ``memory``              Memory, the protocol KVCache and KVCacheISWA implement (llama_memory_i) no
+``iswa``                KVCacheISWA (llama_kv_cache_iswa): a base and a small SWA KVCache      yes
+``swa_checkpoint``      SWACheckpoints: the SWA cache's part saved for prompt reuse            yes
 ======================  =====================================================================  ============
 
 Importing this package is light: the names below are loaded on first access, so ``kvcache_ggml.cache.bookkeeping``
@@ -39,10 +41,13 @@ _LAZY = {
     "KVTensors": ".tensors", "KVLayer": ".tensors",
     "KShift": ".shift", "ShiftGraph": ".shift", "UpdateContext": ".shift",
     "KVInputs": ".inputs",
-    "StateCodec": ".state_codec",
+    "StateCodec": ".state.codec",
     "KVCacheContext": ".context",
     "KVCache": ".kvcache",
     "Memory": ".memory",
+    "KVCells": ".cells",
+    "KVCacheISWA": ".iswa", "KVCacheISWAContext": ".iswa", "KVCacheISWAParams": ".iswa",
+    "SWACheckpoints": ".swa_checkpoint",
 }
 
 __all__ = list(_LAZY)

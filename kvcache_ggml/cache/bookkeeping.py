@@ -1,7 +1,7 @@
 """The cache's bookkeeping: which cell of which stream holds which position of which sequences.
 
 :class:`KVBookkeeping` is the cell half of llama.cpp's ``llama_kv_cache``: the cells
-(:class:`~kvcache_ggml.cells.KVCells`) and the head of every stream, the sequence-to-stream map, the stream copies
+(:class:`~kvcache_ggml.cache.cells.KVCells`) and the head of every stream, the sequence-to-stream map, the stream copies
 queued by cross-stream ``seq_cp``, every ``seq_*`` operation, and the slot search and placement of ubatches
 (``find_slot``, ``apply_ubatch``, ``prepare``).  It holds no tensor and imports no ggml: it can be used and tested
 on its own, and the tensor store, the inputs and the state codec read it.
@@ -26,9 +26,9 @@ import numpy as np
 
 from .._consts import INT32_MAX, LLAMA_MAX_SEQ
 from ..batch import BatchAllocator, UBatch
-from ..cellapi import slot_search_start
-from ..cells import KVCells
 from ..hparams import SwaType, is_masked_swa_np
+from .cells.kvcells import KVCells
+from .cells.onecell import slot_search_start
 from .celltext import cell_map_text, cell_pos_text
 from .swa_step import WrapStats, place_over, rolls_back_clean, slot_run
 from .types import KVCacheParams, SlotInfo, StreamCopyInfo

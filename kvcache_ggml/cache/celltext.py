@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cells import KVCells
+from .cells.kvcells import KVCells
 
 __all__ = ["cell_map_text", "cell_pos_text"]
 

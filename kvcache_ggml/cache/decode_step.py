@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cellapi import slot_search_start
 from ..hparams import SwaType
 from .bookkeeping import KVBookkeeping
+from .cells.onecell import slot_search_start
 from .inputs import KVInputs
 from .masks import mask_decode_row
 

@@ -9,7 +9,7 @@ that owns the state it touches:
   cache's native handles), their views and stores, stream copies; :class:`~.shift.KShift` (``kshift``) builds and
   runs the K-shift graph over them;
 * :class:`~.inputs.KVInputs` (``inputs``) -- the graph inputs computed from the cells and a slot;
-* :class:`~.state_codec.StateCodec` (``codec``) -- save and restore, byte-compatible with llama.cpp;
+* :class:`~.state.codec.StateCodec` (``codec``) -- save and restore, byte-compatible with llama.cpp;
 * :class:`~.decode_step.CacheStep` (``step``) -- the runtime's fused decode step: placement and inputs in two calls,
   with the results of the general path (no state of its own beyond the last step's cells).
 
@@ -32,15 +32,15 @@ import numpy as np
 from .. import _ggml as G
 from ..batch import BatchAllocator, UBatch
 from ..cparams import CParams
-from ..cells import KVCells
 from ..hparams import HParams, RopeType, SwaType
 from .bookkeeping import KVBookkeeping
+from .cells.kvcells import KVCells
 from .context import KVCacheContext
 from .decode_step import CacheStep
 from .inputs import KVInputs
 from .shift import KShift, ShiftGraph, UpdateContext
-from .state_codec import StateCodec
-from .state_io import StateReader, StateWriter
+from .state.codec import StateCodec
+from .state.io import StateReader, StateWriter
 from .tensors import KVLayer, KVTensors
 from .types import KVCacheParams, MemoryStatus, ModelLike, SlotInfo, StreamCopyInfo
 

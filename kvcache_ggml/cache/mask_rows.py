@@ -9,7 +9,7 @@ the sequence test does not, and the row depends on the sequence bits alone: -inf
 
 :class:`MaskRows` keeps such a row per (stream, sequence) -- in one block per stream and mask type, as the integer
 bit patterns of the mask's float type -- and brings it up to date from the stream's change log
-(:class:`~kvcache_ggml.cellindex.ChangeLog`, ``KVCells.change_log``): a cell that gained or lost one sequence is
+(:class:`~kvcache_ggml.cache.cells.index.ChangeLog`, ``KVCells.change_log``): a cell that gained or lost one sequence is
 recomputed in that sequence's row only (scalar Python for the decode step's single cells), other changed cells in
 every row of the block at once, and cells beyond what the rows cover yet are computed when ``n_kv`` grows.  A
 dropped log (a reset, or more changes than patching pays for) empties the block; rows are then rebuilt as tokens
@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._consts import LLAMA_MAX_SEQ
-from ..cellindex import ChangeLog
-from ..cells import KVCells
 from .bookkeeping import KVBookkeeping
+from .cells.index import ChangeLog
+from .cells.kvcells import KVCells
 from .masks import NEG_INF_BITS
 
 __all__ = ["MaskRows"]

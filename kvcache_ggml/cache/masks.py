@@ -20,8 +20,8 @@ import numpy as np
 
 from .._consts import INT32_MAX
 from ..batch import UBatch
-from ..cells import KVCells
 from ..hparams import SwaType, swa_bounds
+from .cells.kvcells import KVCells
 
 __all__ = ["NEG_INF_BITS", "mask_decode_row", "mask_group", "window", "token_groups"]
 

@@ -20,8 +20,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cells import KVCells
 from ..hparams import SwaType, swa_masked
+from .cells.kvcells import KVCells
 
 if TYPE_CHECKING:
     from ..batch import UBatch

@@ -11,7 +11,7 @@ from-scratch consistency check of its bookkeeping.
 * driving a cache without a model: :func:`decode_steps` / :func:`decode`, the memory half of ``llama_decode``.
 
 Every function takes a :class:`~kvcache_ggml.cache.KVCache`; the cell functions also take a bare
-:class:`~kvcache_ggml.cells.KVCells` (one stream, no head).
+:class:`~kvcache_ggml.cache.cells.KVCells` (one stream, no head).
 
 Modules: ``_cells``, ``_invariants``, ``_pictures``, ``_graphs``, ``_drive`` (one per item above).
 """

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .._consts import SEQ_WORDS
-from ..cells import KVCells, bitset_ids
+from ..cache.cells.kvcells import KVCells
+from ..cache.cells.onecell import bitset_ids
 
 
 #: one row of :func:`cells_table`

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _ggml as G
-from ..cells import KVCells
+from ..cache.cells.kvcells import KVCells
 
 
 def check_invariants(kv: Any) -> list[str]:

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import _ggml as G
-from ..cells import KVCells
+from ..cache.cells.kvcells import KVCells
 from ._cells import _streams
 
 

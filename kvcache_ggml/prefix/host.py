@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 import numpy as np
 
-from ..state import STATE_SEQ_MAGIC, STATE_SEQ_VERSION
+from ..cache.state.format import STATE_SEQ_MAGIC, STATE_SEQ_VERSION
 from .policy import Candidate, EvictionPolicy, LRUPolicy, Retention, effective_priority
 from .stats import PrefixStats
 

@@ -5,7 +5,7 @@
 * ``llama``: :class:`~kvcache_ggml.runtime.model.Model`, one :class:`~kvcache_ggml.cache.KVCache`, the graph of
   :mod:`kvcache_ggml.runtime.graph`;
 * ``gemma2``, ``gemma3``: :class:`~kvcache_ggml.runtime.gemma.GemmaModel`, a
-  :class:`~kvcache_ggml.iswa.KVCacheISWA`, the graph of :mod:`kvcache_ggml.runtime.gemma`.
+  :class:`~kvcache_ggml.cache.iswa.KVCacheISWA`, the graph of :mod:`kvcache_ggml.runtime.gemma`.
 """
 from __future__ import annotations
 

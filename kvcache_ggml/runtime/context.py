@@ -25,7 +25,7 @@ from .._consts import LLAMA_MAX_SEQ
 from ..batch import Batch, BatchAllocator
 from ..cache import KVCache, KVCacheParams, Memory, MemoryStatus
 from ..cparams import CParams
-from ..state import load_seq_file, save_seq_file
+from ..cache.state.files import load_seq_file, save_seq_file
 from .params import RuntimeParams
 from .arch import runtime_for
 from .fused_step import FusedStep, StepHost

@@ -15,7 +15,7 @@ What differs from the llama graph (:mod:`kvcache_ggml.runtime.graph`):
 - the attention output and the FFN output are RMS-normalized again (``post_attention_norm``, ``post_ffw_norm``)
   before their residual adds; the FFN is GELU-gated (``ggml_geglu_split``).
 
-The memory is a :class:`~kvcache_ggml.iswa.KVCacheISWA` when the model has SWA layers (a plain KVCache for a
+The memory is a :class:`~kvcache_ggml.cache.iswa.KVCacheISWA` when the model has SWA layers (a plain KVCache for a
 Gemma 3 without a window); the graph then has two sets of K/V index and kq-mask inputs, one per cache, and each
 layer reads and writes the cache that holds it.  Float constants are computed in float32 as llama.cpp does.
 """
@@ -31,7 +31,7 @@ from .. import _ggml as G
 from .._gguf import read_kv
 from ..cache import KVCache, KVCacheParams
 from ..hparams import HParams, RopeType, SwaType
-from ..iswa import KVCacheISWA, KVCacheISWAContext, KVCacheISWAParams
+from ..cache.iswa import KVCacheISWA, KVCacheISWAContext, KVCacheISWAParams
 from .graph import _F16, _F32, DecoderGraph, _attention, _rms_norm, build_token_inputs, set_inputs
 from .model import Model
 
@@ -158,7 +158,7 @@ class GemmaModel(Model):
 
 class GemmaShape:
     """The hyper-parameters of a Gemma GGUF as llama.cpp loads them, without weights: what a
-    :class:`~kvcache_ggml.iswa.KVCacheISWA` needs of a model (every layer on the CPU)."""
+    :class:`~kvcache_ggml.cache.iswa.KVCacheISWA` needs of a model (every layer on the CPU)."""
 
     def __init__(self, path: str | PathLike) -> None:
         self.hparams = HParams.from_gguf(path)

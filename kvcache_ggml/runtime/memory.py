@@ -7,7 +7,7 @@ row_size(type_v, n_embd_v_gqa)`` over those layers.  The same arithmetic as llam
 ``llama_kv_cache: size = ... MiB (... cells, ... layers, ...)`` line, printed before the buffers exist.  A
 sliding-window model whose runtime keeps an iSWA cache pair (:mod:`kvcache_ggml.runtime.arch`) has a line per
 buffer type and cache: the base cache's layers over the context, the SWA layers over the SWA cache's cells
-(:func:`~kvcache_ggml.iswa.swa_cache_size`), as llama.cpp prints one size line per cache.
+(:func:`~kvcache_ggml.cache.iswa.swa_cache_size`), as llama.cpp prints one size line per cache.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 from .. import _ggml as G
 from ..cparams import CParams
 from ..hparams import SwaType
-from ..iswa import swa_cache_size
+from ..cache.iswa import swa_cache_size
 from .arch import runtime_for
 
 __all__ = ["KVMemoryLine", "KVMemoryPlan", "kv_memory_plan"]

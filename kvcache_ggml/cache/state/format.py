@@ -30,10 +30,10 @@ Every integer is little-endian (llama.cpp writes host order; every platform it b
   ``j`` in ``[0, n_embd_v_gqa)``, the ``cell_count`` elements of channel ``j`` of the written cells.
 - The layers are the cache's kept layers, in order; the K layers of all layers come before the V layers.
 
-The files that hold a state (sequence state files, session files) are described in :mod:`.state_files`.
+The files that hold a state (sequence state files, session files) are described in :mod:`.files`.
 
 :func:`parse_stream` reads and checks one stream against what a cache expects (:class:`Expect`) without touching
-the data; :mod:`.state_files` describes whole files with it, :mod:`.state_codec` restores from it.
+the data; :mod:`.files` describes whole files with it, :mod:`.codec` restores from it.
 """
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _ggml as G
-from .._consts import INT32_MAX, LLAMA_MAX_SEQ
-from ..hparams import LLAMA_MAX_LAYERS
-from .state_io import StateReader
+from ... import _ggml as G
+from ..._consts import INT32_MAX, LLAMA_MAX_SEQ
+from ...hparams import LLAMA_MAX_LAYERS
+from .io import StateReader
 
 __all__ = ["LayerState", "CellRange", "StreamState", "StateInfo", "LayerExpect", "Expect", "PARSE_ONLY",
            "parse_stream", "check_eq", "type_text", "magic_text", "STATE_SEQ_MAGIC", "STATE_SEQ_VERSION",

@@ -4,7 +4,7 @@ A *sequence state file* (``llama_state_seq_save_file``) is ``u32 magic 0x6767737
 u32 n_token, i32 token[n_token]`` followed by a single-sequence state.  A whole-context *session file*
 (``llama_state_save_file``; only read here, by :func:`parse_state`) is ``u32 magic 0x6767736e ('ggsn'),
 u32 version 9, u32 n_token, i32 token[n_token], u32 len, char arch[len]`` followed by a whole-cache state.
-The state itself is described in :mod:`.state_format`.
+The state itself is described in :mod:`.format`.
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._consts import INT32_MAX, LLAMA_MAX_SEQ
-from .state_format import (FILE_HDR, PARSE_ONLY, SESSION_MAGIC, SESSION_VERSION, STATE_SEQ_MAGIC, STATE_SEQ_VERSION,
+from ..._consts import INT32_MAX, LLAMA_MAX_SEQ
+from .format import (FILE_HDR, PARSE_ONLY, SESSION_MAGIC, SESSION_VERSION, STATE_SEQ_MAGIC, STATE_SEQ_VERSION,
                            StateInfo, check_eq, magic_text, parse_stream)
-from .state_io import BytesReader, FileWriter, StreamReader
+from .io import BytesReader, FileWriter, StreamReader
 
 if TYPE_CHECKING:
-    from .kvcache import KVCache
+    from ..kvcache import KVCache
 
 __all__ = ["parse_state", "read_state_file", "save_seq_file", "load_seq_file"]
 

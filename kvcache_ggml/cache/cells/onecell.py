@@ -1,11 +1,14 @@
-"""llama.cpp's one-cell methods of ``llama_kv_cells`` (no ggml), as a mixin of :class:`~kvcache_ggml.cells.KVCells`.
+"""llama.cpp's one-cell methods of ``llama_kv_cells`` (no ggml), as a mixin of
+:class:`~kvcache_ggml.cache.cells.KVCells`.
 
-Each method works on one cell ``i`` with the seed's name and preconditions (asserted), through the vectorised
-methods of :class:`~kvcache_ggml.cells.KVCells`, which keep the derived indices and the change log in sync.  The
-cache itself uses the vectorised methods; these serve tests, notebooks and code ported from llama.cpp.  Scalar helpers
-serve the decode step: ``one_token_slot`` (find_slot's cell for one token), ``seq_rm_last`` (the undo of a step),
-and over cells a sliding window left behind (:mod:`kvcache_ggml.cache.swa_step`) ``seq_pos_keys`` (a sequence's
-position multiset) and ``rm_only`` (rm() of a cell held by one sequence).
+Each method works on one cell ``i`` with the seed's name and preconditions (asserted).  Most go through the
+vectorised methods of :class:`~kvcache_ggml.cache.cells.KVCells`, which keep the derived indices and the change log
+in sync; ``pos_set`` and the scalar helpers below update the indices themselves, for the one cell and sequence they
+change.  The cache itself uses the vectorised methods; the one-cell methods serve tests, notebooks and code ported
+from llama.cpp.  Scalar helpers serve the decode step: ``one_token_slot`` (find_slot's cell for one token),
+``seq_rm_last`` (the undo of a step), and over cells a sliding window left behind
+(:mod:`kvcache_ggml.cache.swa_step`) ``seq_pos_keys`` (a sequence's position multiset) and ``rm_only`` (rm() of a
+cell held by one sequence).  :func:`slot_search_start` is the one home of find_slot's head restart.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._consts import LLAMA_MAX_SEQ
+from ..._consts import LLAMA_MAX_SEQ
 
 __all__ = ["CellExt", "OneCellAPI", "bitset_ids", "slot_search_start"]
 

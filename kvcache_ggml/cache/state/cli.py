@@ -12,8 +12,8 @@ import os
 import sys
 from typing import Sequence
 
-from .cache.state_files import read_state_file
-from .cache.state_format import LayerState, StateInfo, magic_text, type_text
+from .files import read_state_file
+from .format import LayerState, StateInfo, magic_text, type_text
 
 __all__ = ["main_inspect", "format_info"]
 

@@ -10,8 +10,8 @@ Storage is a set of parallel numpy arrays, one entry per cell:
 * ``seq``   uint64 [SEQ_WORDS, size] -- a bitset of the sequences that own the cell, word-major so that the
   membership column of one sequence is contiguous.
 
-Two derived indices (:mod:`kvcache_ggml.cellindex`; llama.cpp's ``used`` set and ``seq_pos``) are kept in sync
-with those arrays, and a third record beyond llama.cpp:
+Two derived indices (:mod:`~kvcache_ggml.cache.cells.index`; llama.cpp's ``used`` set and ``seq_pos``) are kept
+in sync with those arrays, and a third record beyond llama.cpp:
 
 * the used range (:class:`UsedRange`) -- a count plus the bounds ``used_min``/``used_max_p1``, re-found lazily with
   a chunked scan when a boundary cell is freed;
@@ -20,26 +20,32 @@ with those arrays, and a third record beyond llama.cpp:
 * the change log (:class:`ChangeLog`): every cell whose sequence set changed, which the kq mask rows read
   (``change_log``) to patch themselves instead of being rebuilt.
 
-Whole cells enter and leave both indices through two private helpers, :meth:`KVCells._index_add` and
-:meth:`KVCells._index_remove` (moves, shifts, removals, restores).  The mutators of the decode path update them in
-place for the one sequence they know: :meth:`~KVCells.place` (new cells: the used range and their sequences'
-multisets), :meth:`~KVCells.seq_add_many` / :meth:`~KVCells.seq_rm_many` (one sequence joins or leaves cells: its
-multiset, and the used range for cells left empty) and :meth:`~KVCells.pos_set` (the used range), and so do
-their scalar variants in :mod:`kvcache_ggml.cellapi` (``place_one``, ``seq_rm_last``, ``rm_only``), each for the one
-cell and sequence it changes.
+Who changes the indices:
+
+* whole cells enter and leave both indices through two private helpers, :meth:`KVCells._index_add` and
+  :meth:`KVCells._index_remove` (moves, shifts, removals, restores: ``rm_many``, ``seq_keep_many``,
+  ``pos_add_many``, ``pos_div_many``, ``set``);
+* the mutators of the decode path update them in place for the one sequence they know: :meth:`~KVCells.place`
+  and :meth:`~KVCells.place_one` (new cells: the used range and their sequences' multisets),
+  :meth:`~KVCells.seq_add_many` / :meth:`~KVCells.seq_rm_many` (one sequence joins or leaves cells: its multiset,
+  and the used range for cells left empty);
+* in :mod:`~kvcache_ggml.cache.cells.onecell`, ``pos_set`` (the used range) and the scalar helpers of the decode
+  step ``seq_rm_last`` and ``rm_only``, each for the one cell and sequence it changes.
+
 :meth:`~KVCells.check_invariants` recomputes both indices from the arrays and reports every disagreement.
 
-Every llama.cpp method has a counterpart with the same name working on one cell (:mod:`kvcache_ggml.cellapi`).  The
-cache itself uses the vectorised ``*_many``/``find``/``place`` methods, which give the same result as the per-cell
-loops of the seed, and on the decode step their scalar variants (``place_one``, ``seq_rm_last``).
+Every llama.cpp method has a counterpart with the same name working on one cell
+(:mod:`~kvcache_ggml.cache.cells.onecell`).  The cache itself uses the vectorised ``*_many``/``find``/``place``
+methods, which give the same result as the per-cell loops of the seed, and on the decode step their scalar variants
+(``place_one``, ``seq_rm_last``).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._consts import INT32_MAX, LLAMA_MAX_SEQ, SEQ_WORDS
-from .cellapi import CellExt, OneCellAPI, bitset_ids
-from .cellindex import ChangeLog, PosMultiset, UsedRange
+from ..._consts import INT32_MAX, LLAMA_MAX_SEQ, SEQ_WORDS
+from .onecell import CellExt, OneCellAPI, bitset_ids
+from .index import ChangeLog, PosMultiset, UsedRange
 
 __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids"]
 
@@ -54,7 +60,7 @@ _NO_CELLS.flags.writeable = False
 
 class KVCells(OneCellAPI):
     """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``); the one-cell methods are
-    :class:`~kvcache_ggml.cellapi.OneCellAPI`'s."""
+    :class:`~kvcache_ggml.cache.cells.onecell.OneCellAPI`'s."""
 
     __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_used", "_seq_pos", "_log", "_newest", "_pos_m",
                  "_seq_m", "_shift_m", "_ext_m")
@@ -127,7 +133,7 @@ class KVCells(OneCellAPI):
     @property
     def change_log(self) -> ChangeLog:
         """The cells whose sequence set changed, for readers that keep something derived from the bits (read it
-        only: see :class:`~kvcache_ggml.cellindex.ChangeLog`)."""
+        only: see :class:`~kvcache_ggml.cache.cells.index.ChangeLog`)."""
         return self._log
 
     # ------------------------------------------------------------------ copies (for roll-back)

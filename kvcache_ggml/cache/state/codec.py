@@ -1,8 +1,8 @@
 """Saving and restoring the KV cache: llama.cpp's ``state_write``/``state_read``, byte for byte.
 
 :class:`StateCodec` writes the state of the bookkeeping's cells and the tensor store's rows, and restores them;
-the layout is spelled out in :mod:`.state_format`, the writers and readers are in :mod:`.state_io`, the state
-files in :mod:`.state_files`.
+the layout is spelled out in :mod:`.format`, the writers and readers are in :mod:`.io`, the state
+files in :mod:`.files`.
 
 Restoring
 ---------
@@ -30,15 +30,15 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .. import _ggml as G
-from .._consts import LLAMA_MAX_SEQ
-from ..cells import KVCells
-from ..hparams import HParams
-from .bookkeeping import KVBookkeeping
-from .state_format import (COL_HDR, DATA_HDR, ROW_HDR, U32, Expect, LayerExpect, StreamState, check_eq,
+from ... import _ggml as G
+from ..._consts import LLAMA_MAX_SEQ
+from ..cells.kvcells import KVCells
+from ...hparams import HParams
+from ..bookkeeping import KVBookkeeping
+from .format import (COL_HDR, DATA_HDR, ROW_HDR, U32, Expect, LayerExpect, StreamState, check_eq,
                            parse_stream)
-from .state_io import BufferWriter, BytesReader, BytesWriter, CountingWriter, StateReader, StateWriter
-from .tensors import KVTensors
+from .io import BufferWriter, BytesReader, BytesWriter, CountingWriter, StateReader, StateWriter
+from ..tensors import KVTensors
 
 __all__ = ["StateCodec"]
 

@@ -5,7 +5,7 @@ log of changed cells.
 the first and last of them.  :class:`PosMultiset` is llama.cpp's per-sequence ``std::map<llama_pos, int>``.
 :class:`ChangeLog` (beyond llama.cpp) lists the cells whose sequence set changed, so that what is derived from the
 sequence bits (the kq mask rows of :mod:`kvcache_ggml.cache.mask_rows`) can be patched instead of rebuilt.
-:class:`~kvcache_ggml.cells.KVCells` keeps all three in sync with its arrays.
+:class:`~kvcache_ggml.cache.cells.KVCells` keeps all three in sync with its arrays.
 """
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ views and copies (:meth:`~KVCacheISWAContext.get_k` ...), and :meth:`~KVCacheISW
 :meth:`~KVCacheISWAContext.get_swa` give each cache's own context for the index and kq-mask inputs (two of each,
 as llama.cpp's ``llm_graph_input_attn_kv_iswa``).
 
-State: ``state_write`` writes the base cache's state then the SWA cache's, each in :mod:`kvcache_ggml.state`'s
+State: ``state_write`` writes the base cache's state then the SWA cache's, each in :mod:`kvcache_ggml.cache.state`'s
 format (llama.cpp's layout).  With ``flags & STATE_SEQ_FLAGS_PARTIAL_ONLY`` only the SWA cache's part is written or
-read: that is what a *checkpoint* for prompt reuse saves (:mod:`kvcache_ggml.swa_checkpoint`).
+read: that is what a *checkpoint* for prompt reuse saves (:mod:`kvcache_ggml.cache.swa_checkpoint`).
 
 Errors: as :class:`~kvcache_ggml.cache.KVCache`.  Every argument check runs before either cache changes.  A failed
 restore leaves *both* caches as after a failed restore (whole state: both empty; one sequence: that sequence removed
@@ -27,10 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from . import _ggml as G
-from .cache import KVCache, KVCacheContext, KVCacheParams, MemoryStatus, SlotInfo
-from .hparams import SwaType
-from .state import BytesReader, CountingWriter, StateReader, StateWriter
+from .. import _ggml as G
+from ..hparams import SwaType
+from .context import KVCacheContext
+from .kvcache import KVCache
+from .state.io import BytesReader, CountingWriter, StateReader, StateWriter
+from .types import KVCacheParams, MemoryStatus, SlotInfo
 
 __all__ = ["KVCacheISWA", "KVCacheISWAParams", "KVCacheISWAContext", "swa_cache_size", "combine_status",
            "STATE_SEQ_FLAGS_PARTIAL_ONLY"]
