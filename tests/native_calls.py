@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from kvcache_ggml import _ggml as G
-from kvcache_ggml._ggml import _lib, _tensor
+from kvcache_ggml._ggml import _calls, _tensor
 
 __all__ = ["NativeCalls"]
 
@@ -49,7 +49,7 @@ class NativeCalls:
         return counted
 
     def __enter__(self) -> "NativeCalls":
-        table = _lib.CALLS
+        table = _calls.CALLS
         self._saved = dict(table)
         for name, fn in self._saved.items():
             w = self._wrap(name, fn)
@@ -66,7 +66,7 @@ class NativeCalls:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        table = _lib.CALLS
+        table = _calls.CALLS
         for name, fn in self._saved.items():
             table[name] = fn
             setattr(G, name, fn)

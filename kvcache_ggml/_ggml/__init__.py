@@ -11,9 +11,9 @@ Other modules do `from kvcache_ggml import _ggml as G` and then:
 Handles are ints (contexts, buffers, buffer types, backends, devices, tensors, graphs; None for NULL): the table
 declares every pointer `void *` (`G.Tensor` names the tensors' kind in annotations).
 """
-from ._lib import (CALLS, DEFINED_IN, FAST, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, PATCHED, REDECLARED,
-                   REQUIRED, WHY_NO_FAST, CgraphP, EvalCallback, TensorP, ggml_init_params, ggml_tensor, has,
-                   is_ctypes_type)
+from ._calls import CALLS, FAST, WHY_NO_FAST
+from ._lib import (DEFINED_IN, FUNCTIONS, GGML_PYTHON_VERSION, LIBRARIES, OPTIONAL, PATCHED, REDECLARED, REQUIRED,
+                   CgraphP, EvalCallback, TensorP, ggml_init_params, ggml_tensor, has, is_ctypes_type)
 from ._types import (GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_SRC, GGML_MEM_ALIGN,
                      GGML_OP_COUNT, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_NEOX,
                      GGML_ROPE_TYPE_NORMAL, GGML_ROPE_TYPE_VISION, GGML_TYPE_COUNT, BufferUsage, DeviceType, GGMLOp, GGMLType,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._lib import CALLS as _F
+from ._calls import CALLS as _F
 from ._owners import Backend, Context, Graph
 from ._tensor import to_numpy
 from ._types import GGMLType, blck_size, type_size

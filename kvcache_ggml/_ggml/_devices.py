@@ -4,7 +4,8 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from ._lib import CALLS as _F, DEFINED_IN, FAST, GGML_PYTHON_VERSION, LIBRARIES, WHY_NO_FAST, has
+from ._calls import CALLS as _F, FAST, WHY_NO_FAST
+from ._lib import DEFINED_IN, GGML_PYTHON_VERSION, LIBRARIES, has
 from ._owners import dev_memory
 from ._rpc import rpc_status_api
 from ._types import DeviceType, _cstr

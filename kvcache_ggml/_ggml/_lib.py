@@ -10,8 +10,8 @@ they cross as Python ints (None for NULL), as every other handle does.  ggml-pyt
 objects, and each such return value is an object to allocate and each argument one to check: a graph of a few
 hundred nodes took about 0.8 us more per op call and 0.5 us more per ggml_set_name that way.
 
-`CALLS` is what the package calls: the table, with the graph builders' functions replaced by compiled cffi wrappers
-(`_fastcalls.py`) where `build.py` built them.
+`_calls.py` makes of it what the package calls (`CALLS`): the table, with the graph builders' functions replaced by
+compiled cffi wrappers (`_fastcalls.py`) where `build.py` built them.
 """
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from pathlib import Path
 
 import ggml as ggml_python  # the package: `ggml.<name>` are ggml-python's declarations
 from ggml import ggml as _decl  # the module holding the declarations, structs and constants
-
-from . import _fastcalls
 
 ggml_tensor = _decl.ggml_tensor  # struct ggml_tensor (ctypes.Structure)
 ggml_init_params = _decl.ggml_init_params  # struct ggml_init_params
@@ -230,10 +228,6 @@ def _build_table() -> tuple[dict[str, ctypes._CFuncPtr], dict[str, str]]:
 
 
 FUNCTIONS, DEFINED_IN = _build_table()  # name -> ctypes function; name -> library it was found in
-# the compiled wrappers of the graph builders' calls (_fastcalls.py), where build.py could build them; WHY_NO_FAST:
-# why there are none ("" when there are)
-FAST, WHY_NO_FAST = _fastcalls.load(FUNCTIONS)
-CALLS: dict[str, object] = {**FUNCTIONS, **FAST}  # what the package calls: name -> compiled or ctypes function
 
 
 def has(name: str) -> bool:

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ._lib import CALLS as _F
+from ._calls import CALLS as _F
 from ._lib import EvalCallback, ggml_init_params, ggml_tensor
 from ._tensor import Tensor, encode_name, new_tensor
 from ._types import GGML_DEFAULT_GRAPH_SIZE, GGML_MAX_NAME, BufferUsage, DeviceType, Status, _cstr

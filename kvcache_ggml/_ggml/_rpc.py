@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from ._lib import CALLS as _F, has
+from ._calls import CALLS as _F
+from ._lib import has
 from ._types import _cstr
 
 RPC_TIMEOUT_S = 8.0  # default send/receive timeout of an RPC connection: a server silent this long is dead

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ._lib import CALLS as _F
+from ._calls import CALLS as _F
 from ._lib import TensorP, ggml_tensor
 from ._types import _BY_VALUE
 from ._types import (GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MEM_ALIGN, GGML_MAX_SRC, GGMLOp, GGMLType, _cstr, is_quantized,

@@ -6,7 +6,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from ._lib import CALLS as _F
+from ._calls import CALLS as _F
 from ._lib import _decl
 
 GGML_MAX_DIMS: int = _decl.GGML_MAX_DIMS  # 4
