@@ -1,0 +1,128 @@
+"""llama.cpp-style sampling of one token from a row of logits, per request, on numpy.
+
+:class:`Sampler` applies, in llama-server's default order where the steps touch the same thing:
+
+1. ``logit_bias``: each listed id's bias is added to its logit;
+2. penalties on the tokens generated so far (:meth:`Sampler.accept` records them; OpenAI semantics, prompt tokens
+   do not count): ``presence_penalty`` is subtracted once from each token seen at least once,
+   ``frequency_penalty * count`` from each token seen ``count`` times;
+3. ``ignore_eos``: the end-of-generation ids get ``-inf``;
+4. ``temperature <= 0``: greedy -- ``np.argmax`` of the logits so far (ties to the lowest id);
+5. otherwise ``top_k`` (k > 0 and below the vocabulary: the k largest logits, found with ``argpartition``), then
+   ``top_p`` (< 1: the smallest set of most likely tokens whose probability, softmax of the candidates at
+   temperature 1, reaches p -- the token that crosses p is kept, as llama.cpp keeps it), then ``min_p`` (> 0: the
+   tokens whose probability is at least min_p times the best one, ``logit >= max + log(min_p)``), then the
+   temperature divides the logits, a softmax and one draw from the request's own ``np.random.Generator``.
+
+Steps 1-3 are applied to a float32 copy of the row; the candidates' softmax and the draw are float64.  No step loops
+in Python over the vocabulary.  ``top_p`` sorts only as many of the largest logits as it needs (128, then 8 times
+more, then all).
+
+:func:`logprobs` reports the model's own distribution -- the log-softmax of the *raw* logits, before any of the
+steps above, as OpenAI reports it -- in float64.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from .protocol import SamplingParams
+
+__all__ = ["Sampler", "logprobs"]
+
+_TOP_P_FIRST = 128  # largest logits sorted first when looking for the top_p cut (then 8x more)
+
+
+def logprobs(logits: np.ndarray, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of ``token`` and the ``top_n`` most likely (id, log-probability) pairs (most likely
+    first, ties to the lowest id), from the log-softmax of the raw ``logits`` in float64."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    top: list[tuple[int, float]] = []
+    n = min(top_n, lp.size)
+    if n > 0:
+        idx = np.argpartition(-lp, n - 1)[:n] if n < lp.size else np.arange(lp.size)
+        idx = idx[np.lexsort((idx, -lp[idx]))]
+        top = [(int(i), float(lp[i])) for i in idx]
+    return float(lp[token]), top
+
+
+class Sampler:
+    """The sampling state of one request: its parameters, random generator and generated-token counts."""
+
+    logprobs = staticmethod(logprobs)
+
+    def __init__(self, params: SamplingParams, n_vocab: int, eog: Iterable[int] = ()) -> None:
+        params.check_vocab(n_vocab)
+        self.params = params      # the request's sampling parameters
+        self.n_vocab = n_vocab    # length of a logits row
+        # ids that end generation (EOS, EOT...), masked when params.ignore_eos
+        self.eog = np.array(sorted({int(t) for t in eog if 0 <= int(t) < n_vocab}), dtype=np.int64)
+        seed = params.seed
+        # the request's own generator: seeded (reproducible) or from OS entropy
+        self.rng = np.random.default_rng(None if seed is None else seed % (1 << 64))
+        self.counts: dict[int, int] = {}  # generated token id -> times generated (for the penalties)
+        self._bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias))
+        self._bias = np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias))
+
+    def accept(self, token: int) -> None:
+        """Record a generated token (it counts for the presence and frequency penalties from now on)."""
+        self.counts[token] = self.counts.get(token, 0) + 1
+
+    def adjusted(self, logits: np.ndarray) -> np.ndarray:
+        """A float32 copy of ``logits`` after logit_bias, the penalties and ignore_eos (steps 1-3)."""
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"logits of shape {logits.shape} for a vocabulary of {self.n_vocab} tokens")
+        x = np.array(logits, dtype=np.float32, copy=True)
+        p = self.params
+        if self._bias_ids.size:
+            np.add.at(x, self._bias_ids, self._bias)
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
+            c = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))
+            x[ids] -= np.float32(p.frequency_penalty) * c + np.float32(p.presence_penalty)
+        if p.ignore_eos and self.eog.size:
+            x[self.eog] = -np.inf
+        return x
+
+    def sample(self, logits: np.ndarray) -> int:
+        """One token id drawn from ``logits`` (float32, n_vocab) by the chain above."""
+        x = self.adjusted(logits)
+        p = self.params
+        if p.temperature <= 0:
+            return int(np.argmax(x))
+        ids: np.ndarray | None = None  # ids of the candidates in v; None: all, in id order
+        if 0 < p.top_k < self.n_vocab:
+            ids = np.argpartition(-x, p.top_k - 1)[:p.top_k]
+            x = x[ids]
+        v = x.astype(np.float64)
+        m = v.max()
+        if not np.isfinite(m):
+            raise ValueError(f"no token can be sampled: the largest logit left is {m}")
+        if p.top_p < 1.0:
+            keep = _top_p(v, m, p.top_p)
+            ids, v = (keep if ids is None else ids[keep]), v[keep]
+        if p.min_p > 0.0:
+            keep = np.flatnonzero(v >= m + np.log(p.min_p))
+            ids, v = (keep if ids is None else ids[keep]), v[keep]
+        w = np.exp((v - m) / p.temperature)
+        cum = np.cumsum(w)
+        i = min(int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right")), v.size - 1)
+        return i if ids is None else int(ids[i])
+
+def _top_p(v: np.ndarray, m: float, p: float) -> np.ndarray:
+    """Indices into ``v`` (logits, largest ``m``) of the smallest most-likely set whose softmax mass reaches ``p``,
+    most likely first; the token that crosses ``p`` is kept."""
+    w = np.exp(v - m)
+    target = p * w.sum()
+    n = min(_TOP_P_FIRST, v.size)
+    while True:
+        part = np.argpartition(-v, n - 1)[:n] if n < v.size else np.arange(v.size)
+        order = part[np.argsort(-v[part], kind="stable")]
+        cum = np.cumsum(w[order])
+        if cum[-1] >= target or n == v.size:
+            cut = int(np.searchsorted(cum, target, side="left")) + 1
+            return order[:min(cut, n)]
+        n = v.size if 4 * n > v.size else 8 * n
