@@ -12,23 +12,24 @@ below the sequence's range.  For a slot of a few cells these functions do the sa
 * :func:`place_over` -- apply_ubatch of one sequence per token over cells each held by one sequence of the stream.
 
 Each answers "not for me" (None or False, nothing changed) for anything unusual, and the caller takes the general
-path.  ``WrapStats`` counts how often they served (tests/test_decode_fast_path.py checks that they do).
+path.  ``WrapStats`` counts how often they served (tests/test_decode_fast_path.py checks that they do).  They work on
+the bookkeeping through :class:`WrapBook`, the part of it they read and call
+(:class:`~kvcache_ggml.cache.bookkeeping.KVBookkeeping`, which calls them, implements it).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..hparams import SwaType, swa_masked
 from .cells.kvcells import KVCells
 
 if TYPE_CHECKING:
     from ..batch import UBatch
-    from .bookkeeping import KVBookkeeping
     from .types import SlotInfo
 
-__all__ = ["WrapStats", "place_over", "rolls_back_clean", "slot_run"]
+__all__ = ["WrapBook", "WrapStats", "place_over", "rolls_back_clean", "slot_run"]
 
 log = logging.getLogger("kvcache_ggml.cache")
 
@@ -45,7 +46,24 @@ class WrapStats:
     placed: int = 0  # apply_ubatch over occupied cells by place_over
 
 
-def slot_run(book: KVBookkeeping, cells: KVCells, head: int, n: int) -> int | None:
+class WrapBook(Protocol):
+    """What the scalar paths read and call of the bookkeeping (:class:`~.bookkeeping.KVBookkeeping`)."""
+
+    kv_size: int              # cells per stream
+    swa_type: SwaType         # the sliding-window rule
+    n_swa: int                # the sliding-window size
+    n_seq_ids: int            # sequence ids: [0, n_seq_ids)
+    stream_of: list[int]      # sequence -> stream
+    v_cells: list[KVCells]    # the cells, per stream
+    v_heads: list[int]        # the next search start, per stream
+    wrap_stats: WrapStats     # how often the scalar paths served
+
+    def place_free(self, sinfo: SlotInfo, ubatch: UBatch) -> bool: ...
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
+
+
+def slot_run(book: WrapBook, cells: KVCells, head: int, n: int) -> int | None:
     """find_slot's search in one stream (not contiguous) when its ``n`` cells from the head are all usable --
     empty, or held by one sequence at a position the window masks at that sequence's largest position + 1: their
     first cell (the slot is the run).  None when some cell of the run is not usable (then the search goes on
@@ -84,7 +102,7 @@ def slot_run(book: KVBookkeeping, cells: KVCells, head: int, n: int) -> int | No
     return head
 
 
-def _occupied(book: KVBookkeeping, sinfo: SlotInfo) -> list[tuple[KVCells, int, int, int]] | None:
+def _occupied(book: WrapBook, sinfo: SlotInfo) -> list[tuple[KVCells, int, int, int]] | None:
     """(cells, cell, its only sequence, its position) of each occupied cell of the slot, or None when the slot is
     too large or some occupied cell holds several sequences or one of another stream."""
     out = []
@@ -116,7 +134,7 @@ def _new_min(cells: KVCells, q: int, removed: list[int]) -> int:
     return -1
 
 
-def rolls_back_clean(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
+def rolls_back_clean(book: WrapBook, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     """True when prepare's apply_ubatch of ``ubatch`` at ``sinfo`` and the roll-back of the slot's cells leave every
     cell as it was: the slot's cells are empty, or -- one sequence per token -- each occupied one holds one
     sequence of its stream with no pending shift (the roll-back does not restore a shift) and apply's purge would
@@ -163,7 +181,7 @@ def rolls_back_clean(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bo
     return True
 
 
-def _one_clean(book: KVBookkeeping, st: int, i: int, tok_seq: int, tok_pos: int) -> int:
+def _one_clean(book: WrapBook, st: int, i: int, tok_seq: int, tok_pos: int) -> int:
     """rolls_back_clean of the one cell ``i`` that stream ``st`` gives the token (``tok_seq``, ``tok_pos``), with
     scalar Python: 0 when the cell is empty, 1 when occupied but clean, -1 when not clean.  (The token is the only
     one of its stream that can be of the cell's sequence: one stream, or one sequence per stream.)"""
@@ -181,7 +199,7 @@ def _one_clean(book: KVBookkeeping, st: int, i: int, tok_seq: int, tok_pos: int)
     return 1
 
 
-def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
+def place_over(book: WrapBook, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     """apply_ubatch (one sequence per token, 1-D positions) when some cell of the slot is occupied: each occupied
     cell -- one sequence of its stream -- is emptied, the tokens placed (``place_free``), then every sequence
     that lost a cell is purged up to the largest position it lost, and the heads set, as the seed does.  False,
@@ -217,7 +235,7 @@ def place_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     return True
 
 
-def _place_one_over(book: KVBookkeeping, st: int, i: int, ubatch: UBatch) -> bool:
+def _place_one_over(book: WrapBook, st: int, i: int, ubatch: UBatch) -> bool:
     """place_over of a one-cell slot (cell ``i`` of stream ``st``, occupied) with scalar Python."""
     cells = book.v_cells[st]
     p = cells.pos_array.item(i)
@@ -235,7 +253,7 @@ def _place_one_over(book: KVBookkeeping, st: int, i: int, ubatch: UBatch) -> boo
     return True
 
 
-def _place_each_over(book: KVBookkeeping, sinfo: SlotInfo, ubatch: UBatch) -> bool:
+def _place_each_over(book: WrapBook, sinfo: SlotInfo, ubatch: UBatch) -> bool:
     """place_over of one cell per stream (the decode step of several streams), some occupied: stream by stream
     (a sequence and its purge stay in its stream), after every cell was checked."""
     v_cells, stream_of, n_ids = book.v_cells, book.stream_of, book.n_seq_ids
