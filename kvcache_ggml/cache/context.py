@@ -4,10 +4,13 @@ A context is what ``init_batch``/``init_full``/``init_update`` return: the model
 ubatches (``apply``/``next``), asks it for the K/V views and stores of the current ubatch and fills the inputs
 through it.  The numpy conveniences (``kq_mask``, ``k_idxs``, ``v_idxs``, ``k_shift``) give the inputs of the
 current ubatch in tensors of their own, for tests and notebooks.
+
+A context works on its cache through :class:`ContextCache`, the part of it that it reads and calls
+(:class:`~kvcache_ggml.cache.KVCache`, which makes the contexts, implements it).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -17,12 +20,33 @@ from .inputs import host_tensor
 from .types import MemoryStatus, SlotInfo, StreamCopyInfo
 
 if TYPE_CHECKING:
-    from .kvcache import KVCache
+    from ..hparams import HParams
+    from .bookkeeping import KVBookkeeping
+    from .inputs import KVInputs
     from .shift import UpdateContext
+    from .tensors import KVTensors
 
-__all__ = ["KVCacheContext"]
+__all__ = ["ContextCache", "KVCacheContext"]
 
 _NO_COPIES = StreamCopyInfo((), ())  # the stream copies of a batch or full context: none (shared, read-only)
+
+
+class ContextCache(Protocol):
+    """What a context reads and calls of its cache (:class:`~kvcache_ggml.cache.KVCache`)."""
+
+    book: KVBookkeeping    # cells, heads, slots: apply_ubatch, get_n_kv, the stream copies
+    tensors: KVTensors     # the K/V views and stores of the graph_build API
+    inputs: KVInputs       # the set_input_* of the input API
+    hparams: HParams
+
+    @property
+    def v_trans(self) -> bool: ...
+
+    def get_size(self) -> int: ...
+
+    def get_n_stream(self) -> int: ...
+
+    def update(self, lctx: UpdateContext | None, do_shift: bool, sc_info: StreamCopyInfo) -> bool: ...
 
 
 class KVCacheContext:
@@ -30,7 +54,7 @@ class KVCacheContext:
 
     __slots__ = ("status", "kv", "sinfos", "ubatches", "i_cur", "n_kv", "lctx", "do_shift", "sc_info")  # (one a step)
 
-    def __init__(self, kv: KVCache | None, *, status: MemoryStatus = MemoryStatus.SUCCESS,
+    def __init__(self, kv: ContextCache | None, *, status: MemoryStatus = MemoryStatus.SUCCESS,
                  sinfos: list[SlotInfo] | None = None, ubatches: list[UBatch] | None = None) -> None:
         self.status = status                       # outcome of the init_* call
         self.kv = kv                               # the cache this context works on
@@ -43,7 +67,7 @@ class KVCacheContext:
         self.sc_info = _NO_COPIES                  # update: stream copies to perform (update_ctx sets them)
 
     @classmethod
-    def full(cls, kv: KVCache) -> KVCacheContext:
+    def full(cls, kv: ContextCache) -> KVCacheContext:
         """A context over the whole cache (every stream, n_kv = kv_size), to reserve graphs."""
         ctx = cls(kv)
         ctx.n_kv = kv.get_size()
@@ -53,7 +77,7 @@ class KVCacheContext:
         return ctx
 
     @classmethod
-    def update_ctx(cls, kv: KVCache, lctx: UpdateContext | None, do_shift: bool,
+    def update_ctx(cls, kv: ContextCache, lctx: UpdateContext | None, do_shift: bool,
                    sc_info: StreamCopyInfo) -> KVCacheContext:
         """An update: the stream copies and the K-shift, or NO_UPDATE when there is nothing to do."""
         status = MemoryStatus.SUCCESS if do_shift or not sc_info.empty() else MemoryStatus.NO_UPDATE
