@@ -6,15 +6,18 @@
   :mod:`kvcache_ggml.runtime.graph`;
 * ``gemma2``, ``gemma3``: :class:`~kvcache_ggml.runtime.gemma.GemmaModel`, a
   :class:`~kvcache_ggml.cache.iswa.KVCacheISWA`, the graph of :mod:`kvcache_ggml.runtime.gemma`.
+
+The registry names, per architecture, the module whose ``RUNTIME`` (an :class:`ArchRuntime`) serves it, and imports
+that module on first use (as ``python -m kvcache_ggml`` imports a command's module).  The registry imports no model
+module: ``Model(path)`` dispatches through it to the class of the file's architecture, and ``GemmaModel``'s module
+imports ``Model``, so the model modules depend on the registry and not the other way round.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import import_module
 from os import PathLike
 from typing import Any, Callable
-
-from ..cache import KVCache, KVCacheParams
-from . import graph as _llama
 
 __all__ = ["ArchRuntime", "runtime_for", "load_model", "supported_archs"]
 
@@ -33,41 +36,23 @@ class ArchRuntime:
     fused: bool = False                  # graph and set_inputs are graph.py's: the fused decode step applies
 
 
-def _plain_memory(model: Any, params: KVCacheParams, n_ubatch: int, swa_full: bool) -> KVCache:
-    del n_ubatch, swa_full
-    return KVCache(model, params)
-
-
-def _llama_runtime() -> ArchRuntime:
-    from .model import Model
-    return ArchRuntime(Model, _plain_memory, _llama.graph_capacity, _llama.graph_key, _llama.build_decoder,
-                       _llama.set_inputs, fused=True)
-
-
-def _gemma_runtime() -> ArchRuntime:
-    from . import gemma
-    return ArchRuntime(gemma.GemmaModel, gemma.create_memory, gemma.graph_capacity, gemma.graph_key,
-                       gemma.build_gemma, gemma.set_gemma_inputs, iswa=True)
-
-
-_FACTORIES: dict[str, Callable[[], ArchRuntime]] = {"llama": _llama_runtime, "gemma2": _gemma_runtime,
-                                                    "gemma3": _gemma_runtime}
+# general.architecture -> the module of this package whose RUNTIME serves it
+_MODULES: dict[str, str] = {"llama": ".model", "gemma2": ".gemma", "gemma3": ".gemma"}
 
 
 def supported_archs() -> tuple[str, ...]:
-    return tuple(_FACTORIES)
+    return tuple(_MODULES)
 
 
 def runtime_for(arch: str) -> ArchRuntime:
     """The runtime of architecture ``arch`` (ValueError naming the supported ones)."""
-    factory = _FACTORIES.get(arch)
-    if factory is None:
-        raise ValueError(f"architecture {arch!r} is not supported (supported: {', '.join(_FACTORIES)})")
-    return factory()
+    module = _MODULES.get(arch)
+    if module is None:
+        raise ValueError(f"architecture {arch!r} is not supported (supported: {', '.join(_MODULES)})")
+    return import_module(module, __package__).RUNTIME
 
 
 def load_model(path: str | PathLike, **kwargs: Any) -> Any:
     """``Model(path, **kwargs)``: the model class of the GGUF's ``general.architecture`` loads it (an alias kept
-    for the code that used it)."""
-    from .model import Model
-    return Model(path, **kwargs)
+    for the code that used it).  (``Model`` is the llama runtime's model class.)"""
+    return runtime_for("llama").model_class(path, **kwargs)

@@ -30,13 +30,14 @@ import numpy as np
 from .. import _ggml as G
 from .._gguf import read_kv
 from ..cache import KVCache, KVCacheParams
-from ..hparams import HParams, RopeType, SwaType
 from ..cache.iswa import KVCacheISWA, KVCacheISWAContext, KVCacheISWAParams
+from ..hparams import HParams, RopeType, SwaType
+from .arch import ArchRuntime
 from .graph import _F16, _F32, DecoderGraph, _attention, _rms_norm, build_token_inputs, set_inputs
 from .model import Model
 
 __all__ = ["GemmaParams", "GemmaModel", "GemmaLayer", "GemmaShape", "ISWAGraphKey", "ISWAGraph", "create_memory",
-           "graph_capacity", "graph_key", "build_gemma", "set_gemma_inputs", "GEMMA_ARCHS"]
+           "graph_capacity", "graph_key", "build_gemma", "set_gemma_inputs", "GEMMA_ARCHS", "RUNTIME"]
 
 GEMMA_ARCHS = ("gemma2", "gemma3")
 _NODES_PER_LAYER = 80    # an upper bound of the tensors one Gemma layer creates (about 60 without flash attention)
@@ -338,3 +339,6 @@ def set_gemma_inputs(g: ISWAGraph, mctx: Any, ubatch: Any, causal_attn: bool = T
         swa.set_input_v_idxs(g.v_idxs_swa, ubatch)
         swa.set_input_kq_mask(g.kq_mask_swa, ubatch, causal_attn)
 
+
+# how the runtime serves Gemma 2 and 3 (kvcache_ggml.runtime.arch's registry): the iSWA pair, the graph above
+RUNTIME = ArchRuntime(GemmaModel, create_memory, graph_capacity, graph_key, build_gemma, set_gemma_inputs, iswa=True)

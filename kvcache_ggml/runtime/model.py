@@ -20,11 +20,15 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _ggml as G
-from .._gguf import GGUFFile
+from .._gguf import GGUFFile, read_kv
+from ..cache.kvcache import KVCache
+from ..cache.types import KVCacheParams
 from ..cparams import layer_rope_freq
 from ..hparams import HParams, RopeType
+from . import graph as _llama
+from .arch import ArchRuntime, runtime_for
 
-__all__ = ["Model", "LayerWeights", "cpu_device"]
+__all__ = ["Model", "LayerWeights", "cpu_device", "RUNTIME"]
 
 _SUPPORTED_ARCHS = ("llama",)
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
@@ -82,8 +86,6 @@ class Model:
         Gemma GGUF, a subclass of Model).  A subclass called by name loads its own architectures only."""
         del kwargs
         if cls is Model and Path(path).is_file():
-            from .._gguf import read_kv
-            from .arch import runtime_for  # (the registry of architectures; it imports this module lazily too)
             sub = runtime_for(str(read_kv(path).get("general.architecture"))).model_class
             if sub is not Model:
                 return super().__new__(sub)
@@ -333,3 +335,13 @@ def _upload(t: Any, data: np.ndarray, name: str) -> None:
         raise ValueError(f"tensor {name}: the file holds {raw.nbytes} bytes, ggml expects {n} "
                          f"({G.type_name(G.ttype(t))} ne {G.ne(t)})")
     G.ggml_backend_tensor_set(t, raw.ctypes.data, 0, n)
+
+
+def _plain_memory(model: Any, params: KVCacheParams, n_ubatch: int, swa_full: bool) -> KVCache:
+    del n_ubatch, swa_full
+    return KVCache(model, params)
+
+
+# how the runtime serves llama (kvcache_ggml.runtime.arch's registry): one KVCache, the graph of graph.py
+RUNTIME = ArchRuntime(Model, _plain_memory, _llama.graph_capacity, _llama.graph_key, _llama.build_decoder,
+                      _llama.set_inputs, fused=True)
