@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .modelmaker import _add_common_keys, _add_matrix, _checked_spec, check_spec
+from .maker_common import _add_common_keys, _add_matrix, _checked_spec, check_spec
 
 __all__ = ["GemmaSpec", "make_gemma_model"]
 
@@ -36,7 +36,7 @@ class GemmaSpec:
     vocab: int = 64                # vocabulary size, >= 4
     seed: int = 0                  # numpy seed of the weights
     ctx: int = 8192                # {arch}.context_length
-    type: str = "f32"              # ggml type of the matrices (modelmaker.WEIGHT_TYPES; norms are always f32)
+    type: str = "f32"              # ggml type of the matrices (maker_common.WEIGHT_TYPES; norms are always f32)
     embd_type: str = ""            # ggml type of token_embd and output ("" = type)
     vocab_from: str = ""           # a GGUF whose tokenizer.* keys to copy ("" = the minimal SPM vocabulary of `vocab`)
     n_swa: int = 16                # sliding window of the SWA layers; 0 (Gemma 3 only): no window at all
