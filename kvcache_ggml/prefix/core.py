@@ -88,7 +88,8 @@ class Admission:
     n_decoded: int           # of them decoded
     source: str              # "own" (the sequence itself), "device" (seq_cp), "host" (state_load) or "none"
     source_seq: int          # device: the sequence copied from; else -1
-    logits: np.ndarray       # float32 [n_vocab] of the last token ([n_decoded, n_vocab] with logits_all)
+    logits: np.ndarray | None  # float32 [n_vocab] of the last token ([n_decoded, n_vocab] with logits_all;
+                               # None from attach(), which decodes nothing)
     seconds: float           # wall time of the admit (time to first token)
 
 
@@ -147,6 +148,22 @@ class PrefixCache(MemoryOpsMixin):
         :meth:`release`.  Parked sequences are evicted as room is needed; ``DecodeError`` when none is left.
         """
         t0 = _perf()
+        adm = self.attach(tokens, seq_id, retention=retention)
+        e = self.seqs[seq_id]
+        try:
+            adm.logits = self._decode_into(e, self._tokens(tokens)[adm.n_reused:], logits_all)
+        except BaseException:
+            e.active = False  # what was decoded stays cached, parked
+            self._settle(e)
+            raise
+        adm.seconds = _perf() - t0
+        return adm
+
+    def attach(self, tokens: Sequence[int], seq_id: int, *, retention: Retention | None = None) -> Admission:
+        """The first half of :meth:`admit`: make ``seq_id`` hold the longest cached prefix of ``tokens`` (at most
+        all but the last token) and mark it active, decoding nothing; ``logits`` is None and ``n_decoded`` the
+        tokens left to decode (with :meth:`advance`, in chunks a serving loop chooses)."""
+        t0 = _perf()
         toks = self._tokens(tokens)
         if toks.size == 0:
             raise ValueError("admit needs at least one token")
@@ -183,13 +200,7 @@ class PrefixCache(MemoryOpsMixin):
         st.hits_device += source in ("own", "device")
         st.hits_host += source == "host"
         st.misses += source == "none"
-        try:
-            logits = self._decode_into(e, toks[n:], logits_all)
-        except BaseException:
-            e.active = False  # what was decoded stays cached, parked
-            self._settle(e)
-            raise
-        return Admission(seq_id, toks.size, n, toks.size - n, source, src, logits, _perf() - t0)
+        return Admission(seq_id, toks.size, n, toks.size - n, source, src, None, _perf() - t0)
 
     def extend(self, seq_id: int, tokens: Sequence[int], logits_all: bool = False) -> np.ndarray:
         """Decode more tokens into an active sequence; the logits of the last (or of every) token."""
@@ -219,6 +230,43 @@ class PrefixCache(MemoryOpsMixin):
                 self._append(e, toks[k:k + 1])
         self.stats.tokens_decoded += ids.size
         return logits
+
+    def advance(self, parts: Sequence[tuple[int, Sequence[int], bool]]) -> list[np.ndarray | None]:
+        """Decode several active sequences' next tokens in one batch: ``parts`` are (seq_id, tokens, want_logits)
+        for distinct sequences, each part's tokens following what its sequence holds; returns, per part, the
+        float32 [n_vocab] logits of its last token (a copy) or None.  A serving loop mixes one-token generation
+        steps and chunks of prompts this way.  The batch must fit n_batch; parked sequences are evicted while
+        the cache has no slot for it (``DecodeError`` when none is left, nothing changed)."""
+        if not parts:
+            raise ValueError("advance needs at least one part")
+        entries, chunks = [], []
+        for seq_id, tokens, _ in parts:
+            toks = self._tokens(tokens)
+            if toks.size == 0:
+                raise ValueError(f"advance: sequence {seq_id} has no tokens")
+            entries.append(self._active(int(seq_id)))
+            chunks.append(toks)
+        if len({e.seq_id for e in entries}) != len(entries):
+            raise ValueError(f"advance needs distinct sequences, got {[int(p[0]) for p in parts]}")
+        sizes = np.array([c.size for c in chunks])
+        n = int(sizes.sum())
+        if n > self.ctx.cparams.n_batch:
+            raise ValueError(f"advance: {n} tokens exceed n_batch = {self.ctx.cparams.n_batch}")
+        ends = np.cumsum(sizes) - 1
+        flags = np.zeros(n, np.int8)
+        want = np.array([bool(p[2]) for p in parts])
+        flags[ends[want]] = 1
+        seq = np.repeat(np.array([e.seq_id for e in entries], np.int32), sizes)
+        self._tick += 1
+        logits = self._decode(Batch(token=np.concatenate(chunks), seq_id=seq, logits=flags),
+                              {e.stream for e in entries})
+        for e, c in zip(entries, chunks):
+            e.last_used = self._tick
+            if e.clean:
+                self._append(e, c)
+        self.stats.tokens_decoded += n
+        rows = iter(logits)
+        return [next(rows).copy() if w else None for w in want.tolist()]
 
     def release(self, seq_id: int) -> None:
         """The request on ``seq_id`` is done: its sequence stays cached (parked) until evicted."""
