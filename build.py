@@ -57,8 +57,8 @@ SOURCE = VENDOR_GGML / f"ggml_python-{GGML_PYTHON_VERSION}"
 BUILD_DEPS = ("numpy>=1.24", "scikit-build-core>=0.10", "setuptools>=70.1", "typing_extensions>=4.6.3")
 CMAKE_MIN = (3, 21)  # ggml-python's CMakeLists.txt requires 3.21
 # extras of this project each command needs (the notebooks extra runs the notebook tests)
-COMMAND_EXTRAS = {None: ("fast", "test", "text"), "test": ("fast", "test", "notebooks", "text"),
-                  "demo": ("fast", "test", "text")}
+COMMAND_EXTRAS = {None: ("fast", "test", "text", "serve"), "test": ("fast", "test", "notebooks", "text", "serve"),
+                  "demo": ("fast", "test", "text", "serve")}
 STAMP_SCHEMA = 1
 GGML_RECIPE = 3  # bump when the way ggml-python is built changes: forces one rebuild (3: GGML_LLAMAFILE=ON)
 COMMANDS = ("test", "demo", "carry", "cmake-args", "patch-source")

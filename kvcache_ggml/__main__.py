@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "info": ("kvcache_ggml.__main__", "info", "ggml version, backends and devices"),
     "demo": ("kvcache_ggml.demo", "main", "the main job: a tiny model decoding several sequences on the cache"),
     "generate": ("kvcache_ggml.generate", "main", "text in, text out: continue a prompt with a GGUF model"),
+    "serve": ("kvcache_ggml.serve.cli", "main", "an OpenAI-compatible HTTP server (completions, chat, streaming)"),
     "inspect": ("kvcache_ggml.cache.state.cli", "main_inspect", "print a state file's streams, cells and layers"),
     "make-model": ("kvcache_ggml.runtime.modelmaker", "main", "write a tiny random-weight llama GGUF"),
     "rpc-server": ("kvcache_ggml.backends", "main_rpc_server", "serve a ggml RPC backend"),

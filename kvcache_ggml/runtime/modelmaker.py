@@ -44,6 +44,7 @@ class ModelSpec:
     rope_freq_base: float = 10000.0  # llama.rope.freq_base
     rms_eps: float = 1e-5    # llama.attention.layer_norm_rms_epsilon
     tied: bool = False       # no output.weight: the head is token_embd (llama.cpp's tied embeddings)
+    chat_template: str = ""  # tokenizer.chat_template, a jinja2 template ("" = none)
 
     def check(self) -> None:
         """ValueError naming the first value out of its range."""
@@ -125,6 +126,8 @@ def make_model(path: str | Path, spec: ModelSpec | None = None, *, weights=None,
     try:
         n_vocab = _add_common_keys(writer, gguf, spec, "llama")
         writer.add_rope_dimension_count(spec.head_dim)
+        if spec.chat_template:
+            writer.add_chat_template(spec.chat_template)
         plan = _tensor_plan(spec, n_vocab)
         arrays = _random_weights(plan, spec.seed) if weights is None else _given_weights(plan, weights)
         for (name, _), w in zip(plan, arrays):

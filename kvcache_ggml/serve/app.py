@@ -1,0 +1,356 @@
+"""The HTTP side: an ASGI app (starlette) in OpenAI's shapes over one :class:`~.engine.Engine`.
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream: true`` as server-sent events ending in ``data: [DONE]``), ``POST /tokenize``, ``POST /detokenize``
+(llama-server's shapes) and ``GET /metrics`` (Prometheus text).
+
+Every failure is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
+
+* 400 -- a body that is not JSON, a missing field or a wrong type (:mod:`.protocol`), an unknown model, a prompt
+  the context cannot hold (both numbers named), a chat request to a model without a chat template;
+* 401 -- ``--api-key`` set and the ``Authorization: Bearer`` key missing or wrong (compared in constant time;
+  ``/health`` and ``/v1/models`` stay open, as llama-server has them);
+* 413 -- a body over ``max_body`` bytes (from Content-Length, or counted as it arrives);
+* 503 with ``Retry-After`` -- the queue is full;
+* 500 -- the engine failed the request (its message says why); a stream that fails after its first chunk ends with
+  an error event and ``[DONE]``.
+
+A request runs on the engine thread; its events cross to the event loop with ``call_soon_threadsafe``.  A client
+that goes away -- a stream's connection closed, or a plain request's -- cancels its request: the engine releases
+its sequence at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import protocol as P
+from .chat import ChatTemplate
+from .engine import Engine, Event, Job, QueueFull
+from .sampling import Sampler
+from .text import TextStream
+
+__all__ = ["Service", "make_app"]
+
+_OPEN_PATHS = frozenset({"/health", "/v1/models"})
+
+
+@dataclass(slots=True)
+class Service:
+    """What the app serves: the engine and the model's text side."""
+
+    engine: Engine                   # the engine (owns the context)
+    vocab: Any                       # the model's Vocab
+    model_name: str                  # the name /v1/models lists and requests must ask for
+    template: ChatTemplate | None    # the GGUF's chat template (None: the chat endpoint answers 400)
+    api_key: str = ""                # "" : no authentication
+    max_body: int = 8 << 20          # bytes a request body may have
+    retry_after: int = 1             # seconds a 503 tells the client to wait
+    created: int = 0                 # unix time the server started (the model object's "created")
+
+
+def _error(e: P.RequestError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Prepared:
+    """A parsed request turned into a job, and what its answer needs."""
+
+    __slots__ = ("chat", "req", "job", "queue", "id", "created", "n_prompt")
+
+    def __init__(self, chat: bool, req: Any, job: Job, queue: asyncio.Queue) -> None:
+        self.chat, self.req, self.job, self.queue = chat, req, job, queue
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.n_prompt = int(job.tokens.size)
+
+
+def make_app(svc: Service) -> Starlette:
+    """The ASGI app over ``svc`` (the engine is started and stopped with the app's lifespan)."""
+    eng, vocab = svc.engine, svc.vocab
+    n_vocab = len(vocab.tokens)
+    eog = np.array([t for t in range(n_vocab) if vocab.is_eog(t)], np.int32)
+
+    def auth(request: Request) -> None:
+        if not svc.api_key or request.url.path in _OPEN_PATHS:
+            return
+        got = request.headers.get("authorization", "")
+        key = got[7:] if got.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(key.encode(), svc.api_key.encode()):
+            raise P.RequestError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
+                                 type="authentication_error", code="invalid_api_key")
+
+    async def body_of(request: Request) -> Any:
+        auth(request)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > svc.max_body:
+            raise P.RequestError(f"the body has {size} bytes; the limit is {svc.max_body}", status=413)
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > svc.max_body:
+                raise P.RequestError(f"the body has more than {svc.max_body} bytes, the limit", status=413)
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise P.RequestError(f"the body is not valid JSON: {err}") from None
+
+    def prompt_tokens(req: Any, chat: bool) -> np.ndarray:
+        if chat:
+            if svc.template is None:
+                raise P.RequestError(f"model {svc.model_name!r} has no chat template (tokenizer.chat_template); "
+                                     "use /v1/completions", param="messages")
+            text = svc.template.render(req.messages, add_generation_prompt=True, **req.chat_template_kwargs)
+            bos = vocab.tokens[vocab.bos] if vocab.bos >= 0 else ""
+            if vocab.add_bos and bos and text.startswith(bos):
+                text = text[len(bos):]  # tokenize adds it (llama.cpp's common_chat_templates_apply does the same)
+            return np.array(vocab.tokenize(text, add_special=True, parse_special=True), np.int32)
+        if isinstance(req.prompt, list):
+            return np.array(req.prompt, np.int32)
+        return np.array(vocab.tokenize(req.prompt, add_special=True, parse_special=True), np.int32)
+
+    async def prepare(request: Request, chat: bool) -> _Prepared:
+        body = await body_of(request)
+        req = P.parse_chat(body) if chat else P.parse_completion(body)
+        if req.model != svc.model_name:
+            raise P.RequestError(f"model {req.model!r} is not served (served: {svc.model_name!r})", param="model",
+                                 code="model_not_found")
+        req.check_vocab(n_vocab)
+        tokens = prompt_tokens(req, chat)
+        sp = req.sampling
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        cache_prompt = body.get("cache_prompt", True)  # llama-server's extension
+        if not isinstance(cache_prompt, bool):
+            raise P.RequestError(f"cache_prompt must be a boolean, got {cache_prompt!r}", param="cache_prompt")
+        job = Job(tokens, Sampler(sp, n_vocab, eog), TextStream(vocab, sp.stop),
+                  lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), max_tokens=sp.max_tokens,
+                  cache_prompt=cache_prompt, top_logprobs=sp.top_logprobs if sp.logprobs else -1)
+        try:
+            eng.submit(job)
+        except QueueFull as err:
+            raise P.RequestError(f"the server is busy: {err}", status=503, type="server_error",
+                                 code="queue_full") from None
+        except ValueError as err:
+            raise P.RequestError(str(err), param="messages" if chat else "prompt",
+                                 code="context_length_exceeded") from None
+        return _Prepared(chat, req, job, queue)
+
+    # ------------------------------------------------------------------ logprobs in OpenAI's two shapes
+
+    def piece(t: int) -> tuple[str, bytes]:
+        b = vocab.token_to_piece(int(t))
+        return b.decode("utf-8", errors="replace"), b
+
+    def chat_lps(lps: list[dict]) -> list[dict]:
+        out = []
+        for d in lps:
+            text, raw = piece(d["id"])
+            out.append(P.chat_token_logprob(text, raw, d["logprob"], [(*piece(i), lp) for i, lp in d["top"]]))
+        return out
+
+    def completion_lps(lps: list[dict], offset: int) -> dict:
+        toks, lp, tops, offs = [], [], [], []
+        for d in lps:
+            text = piece(d["id"])[0]
+            toks.append(text)
+            lp.append(d["logprob"])
+            tops.append({piece(i)[0]: x for i, x in d["top"]})
+            offs.append(offset)
+            offset += len(text)
+        return P.completion_logprobs(toks, lp, tops, offs)
+
+    # ------------------------------------------------------------------ answers
+
+    async def events(p: _Prepared, request: Request) -> AsyncIterator[Event]:
+        """The job's events until its end; cancels the job when the client goes away or the task is cancelled."""
+        done = False
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(p.queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                yield ev
+                if ev.kind != "text":
+                    done = True
+                    return
+        finally:
+            if not done:
+                eng.cancel(p.job)
+
+    async def whole(p: _Prepared, request: Request) -> Response:
+        text, lps, end = [], [], None
+        async for ev in events(p, request):
+            if ev.kind == "text":
+                text.append(ev.text)
+                lps += ev.logprobs
+            else:
+                end = ev
+        if end is None:
+            return Response(status_code=499)
+        if end.kind == "error":
+            return _error(P.RequestError(end.text, status=500, type="server_error"))
+        u = P.usage_dict(end.usage["prompt_tokens"], end.usage["completion_tokens"], end.usage["cached_tokens"])
+        content = "".join(text)
+        want_lp = p.job.top_logprobs >= 0
+        if p.chat:
+            body = P.chat_response(p.id, p.created, svc.model_name, content, end.finish_reason, u,
+                                   chat_lps(lps) if want_lp else None)
+        else:
+            body = P.completion_response(p.id, p.created, svc.model_name, content, end.finish_reason, u,
+                                         completion_lps(lps, 0) if want_lp else None)
+        return JSONResponse(body)
+
+    async def stream(p: _Prepared, request: Request) -> AsyncIterator[str]:
+        want_lp = p.job.top_logprobs >= 0
+        offset = 0
+        if p.chat:
+            yield _sse(P.chat_chunk(p.id, p.created, svc.model_name, {"role": "assistant", "content": ""}))
+        async for ev in events(p, request):
+            if ev.kind == "text":
+                if p.chat:
+                    yield _sse(P.chat_chunk(p.id, p.created, svc.model_name, {"content": ev.text}, None,
+                                            chat_lps(ev.logprobs) if want_lp else None))
+                else:
+                    yield _sse(P.completion_chunk(p.id, p.created, svc.model_name, ev.text, None,
+                                                  completion_lps(ev.logprobs, offset) if want_lp else None))
+                offset += len(ev.text)
+            elif ev.kind == "error":
+                yield _sse(P.RequestError(ev.text, status=500, type="server_error").body())
+            else:
+                if p.chat:
+                    yield _sse(P.chat_chunk(p.id, p.created, svc.model_name, {}, ev.finish_reason))
+                else:
+                    yield _sse(P.completion_chunk(p.id, p.created, svc.model_name, "", ev.finish_reason))
+                if p.req.stream_include_usage:
+                    u = ev.usage
+                    yield _sse(P.usage_chunk(p.id, p.created, svc.model_name,
+                                             P.usage_dict(u["prompt_tokens"], u["completion_tokens"],
+                                                          u["cached_tokens"]), p.chat))
+        yield "data: [DONE]\n\n"
+
+    async def generate(request: Request, chat: bool) -> Response:
+        try:
+            p = await prepare(request, chat)
+        except P.RequestError as e:
+            return _error(e, {"Retry-After": str(svc.retry_after)} if e.status == 503 else None)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        if p.req.stream:
+            return StreamingResponse(stream(p, request), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await whole(p, request)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    # ------------------------------------------------------------------ the small endpoints
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(P.models_response([svc.model_name], svc.created))
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = await body_of(request)
+            if not isinstance(body, dict) or not isinstance(body.get("content"), str):
+                raise P.RequestError("tokenize needs {\"content\": string}", param="content")
+            add_special = body.get("add_special", False)
+            if not isinstance(add_special, bool):
+                raise P.RequestError(f"add_special must be a boolean, got {add_special!r}", param="add_special")
+        except P.RequestError as e:
+            return _error(e)
+        return JSONResponse({"tokens": vocab.tokenize(body["content"], add_special=add_special,
+                                                      parse_special=True)})
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = await body_of(request)
+            toks = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                raise P.RequestError("detokenize needs {\"tokens\": [integers]}", param="tokens")
+            bad = [t for t in toks if not 0 <= t < n_vocab]
+            if bad:
+                raise P.RequestError(f"token id {bad[0]} is out of range [0, {n_vocab})", param="tokens")
+        except P.RequestError as e:
+            return _error(e)
+        return JSONResponse({"content": vocab.detokenize(toks)})
+
+    async def metrics(request: Request) -> Response:
+        try:
+            auth(request)
+        except P.RequestError as e:
+            return _error(e)
+        return PlainTextResponse(metrics_text(eng), media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        eng.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, eng.stop)
+
+    return Starlette(routes=[
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], lifespan=lifespan)
+
+
+def metrics_text(eng: Engine) -> str:
+    """Prometheus text exposition of the engine's and the prefix cache's counters."""
+    st, pst = eng.stats, eng.prefix.stats
+    kv = eng.ctx.kv
+    used = sum(kv.v_cells[s].get_used() for s in range(kv.get_n_stream()))
+    size = sum(kv.v_cells[s].size() for s in range(kv.get_n_stream()))
+    rows = [
+        ("requests_total", "counter", "requests finished, any reason", st.requests),
+        ("requests_failed_total", "counter", "requests ended by an error", st.requests_failed),
+        ("requests_cancelled_total", "counter", "requests whose client went away", st.requests_cancelled),
+        ("requests_ended_cache_full_total", "counter", "requests ended because the cache was full", st.ended_full),
+        ("prompt_tokens_total", "counter", "prompt tokens of admitted requests", st.prompt_tokens),
+        ("prompt_tokens_cached_total", "counter", "prompt tokens reused from the prefix cache", st.cached_tokens),
+        ("prompt_tokens_computed_total", "counter", "prompt tokens decoded", st.computed_tokens),
+        ("generated_tokens_total", "counter", "tokens generated", st.generated_tokens),
+        ("steps_total", "counter", "batches decoded", st.steps),
+        ("prefix_hits_device_total", "counter", "admissions reusing a sequence in the cache", pst.hits_device),
+        ("prefix_hits_host_total", "counter", "admissions restoring a host-tier blob", pst.hits_host),
+        ("prefix_evictions_total", "counter", "parked sequences evicted", pst.evictions),
+        ("requests_running", "gauge", "requests admitted", eng.n_running),
+        ("requests_waiting", "gauge", "requests in the queue", eng.queue_depth),
+        ("kv_cells_used", "gauge", "cells holding a token", used),
+        ("kv_cells", "gauge", "cells of the cache", size),
+    ]
+    out = []
+    for name, kind, doc, value in rows:
+        out += [f"# HELP kvcache_{name} {doc}", f"# TYPE kvcache_{name} {kind}", f"kvcache_{name} {int(value)}"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,140 @@
+"""``python -m kvcache_ggml serve --model PATH``: an OpenAI-compatible HTTP server on uvicorn.
+
+The context has ``--parallel`` sequences for requests plus ``--parked`` more (default: as many with
+``--kv-unified``, none without) where finished conversations stay cached for the next request that shares their
+prefix; the prefix cache evicts them (to the host tier, ``--host-cache-mib``) when room is needed.  With
+``--kv-unified`` all sequences share one cache of ``--n-ctx`` cells, so one request may use all of it (llama-server's
+``-kvu``); without, each sequence has its own stream of ``n_ctx / sequences`` cells.  SIGINT or SIGTERM stops the
+server gracefully: it stops taking requests, ends the running ones, and closes the model.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main", "parse_args", "open_service"]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m kvcache_ggml serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="a llama, gemma2 or gemma3 GGUF with a tokenizer")
+    ap.add_argument("--alias", default="", help="the model name clients ask for (default: the file's stem)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
+    ap.add_argument("--port", type=int, default=8080, help="port (default %(default)s; 0: any free port)")
+    ap.add_argument("--parallel", "-np", type=int, default=4, help="requests decoding at once (default %(default)s)")
+    ap.add_argument("--parked", type=int, default=-1,
+                    help="sequences beyond --parallel for cached conversations (default: --parallel with "
+                         "--kv-unified, else 0)")
+    ap.add_argument("--n-ctx", "-c", type=int, default=4096, help="context size, all sequences (default %(default)s)")
+    ap.add_argument("--batch", "-b", type=int, default=2048, help="tokens per step, the token budget (default %(default)s)")
+    ap.add_argument("--ubatch", "-ub", type=int, default=512, help="tokens per graph (default %(default)s)")
+    ap.add_argument("--kv-unified", "-kvu", action="store_true", help="one cache shared by all sequences")
+    ap.add_argument("--flash-attn", "-fa", choices=("on", "off"), default="on", help="flash attention (default on)")
+    ap.add_argument("--cache-type-k", "-ctk", default="f16", help="ggml type of the K cache (default %(default)s)")
+    ap.add_argument("--cache-type-v", "-ctv", default="f16", help="ggml type of the V cache (default %(default)s)")
+    ap.add_argument("--threads", "-t", type=int, default=4, help="CPU threads (default %(default)s)")
+    ap.add_argument("--host-cache-mib", type=int, default=0, help="RAM for evicted prefixes, MiB (default 0: none)")
+    ap.add_argument("--api-key", default="", help="require Authorization: Bearer KEY")
+    ap.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running ones before 503")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default %(default)s)")
+    ap.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body, MiB (default %(default)s)")
+    a = ap.parse_args(argv)
+    for name in ("parallel", "n_ctx", "batch", "ubatch", "threads"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.host_cache_mib < 0 or a.max_queue < 0 or a.timeout <= 0 or not 0 <= a.port < 65536:
+        ap.error("--host-cache-mib and --max-queue must be >= 0, --timeout > 0, --port in [0, 65535]")
+    if a.parked < 0:
+        a.parked = a.parallel if a.kv_unified else 0
+    if not a.model.is_file():
+        ap.error(f"--model {a.model}: no such file")
+    return a
+
+
+def open_service(a: argparse.Namespace):
+    """(model, context, Service) for parsed arguments; the caller closes the context and the model."""
+    from ..prefix import HostParams, PrefixParams
+    from ..runtime.arch import load_model
+    from ..runtime.context import Context
+    from ..runtime.params import RuntimeParams
+    from ..runtime.tokenizer import Vocab
+    from .app import Service
+    from .chat import ChatTemplate
+    from .engine import Engine, EngineParams
+
+    model = load_model(a.model)
+    try:
+        vocab = Vocab.from_kv(model.gguf_kv, str(a.model))
+        params = RuntimeParams(n_ctx=a.n_ctx, n_batch=a.batch, n_ubatch=min(a.ubatch, a.batch),
+                               n_seq_max=a.parallel + a.parked, kv_unified=a.kv_unified,
+                               flash_attn=a.flash_attn == "on", n_threads=a.threads, n_threads_batch=a.threads,
+                               type_k=a.cache_type_k, type_v=a.cache_type_v)
+        params.check()
+        ctx = Context(model, params)
+    except BaseException:
+        model.close()
+        raise
+    try:
+        prefix = PrefixParams(host=HostParams(budget=a.host_cache_mib << 20))
+        engine = Engine(ctx, vocab, EngineParams(n_parallel=a.parallel, max_queue=a.max_queue, timeout=a.timeout),
+                        prefix)
+        svc = Service(engine, vocab, a.alias or a.model.stem, ChatTemplate.from_gguf_kv(model.gguf_kv, vocab),
+                      api_key=a.api_key, max_body=int(a.max_body_mib * (1 << 20)), created=int(time.time()))
+    except BaseException:
+        ctx.close()
+        model.close()
+        raise
+    return model, ctx, svc
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose SIGINT/SIGTERM stop it gracefully and then let main() return (uvicorn itself
+        raises the signal again once stopped, which would end the process before the model is closed)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    return Server
+
+
+def main(argv: list[str]) -> int:
+    import uvicorn
+
+    from .. import _ggml as G
+    from .app import make_app
+
+    a = parse_args(argv)
+    G.set_log_level(3)
+    model, ctx, svc = open_service(a)
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((a.host, a.port))
+        sock.listen(2048)  # connections wait in the backlog from here on, while uvicorn starts
+        host, port = sock.getsockname()[:2]
+        print(f"[{svc.model_name}: {a.parallel} parallel + {a.parked} parked sequences, n_ctx {ctx.n_ctx()} "
+              f"({ctx.n_ctx_seq()} per sequence{', unified' if a.kv_unified else ''}), chat template "
+              f"{'yes' if svc.template else 'no'}]", file=sys.stderr)
+        print(f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
+        _Server = _server_class()
+        config = uvicorn.Config(make_app(svc), log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
+        _Server(config).run(sockets=[sock])
+    finally:
+        ctx.close()
+        model.close()
+    return 0

@@ -1,0 +1,194 @@
+"""The serving engine without HTTP: mixed batches (PrefixCache.attach/advance), chunked prefill, a full cache, the
+queue's limits.  Steps run on the test's thread (``run_until_idle``), so every schedule is deterministic.
+
+Reference values come from the runtime alone: each prompt decoded on a fresh context in one batch, then one token a
+step, greedy.  The caches are F32, where differently split batches agree to 1e-5 of the largest logit
+(docs/prompt-cache.md)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcache_ggml.batch import Batch
+from kvcache_ggml.prefix import check
+from kvcache_ggml.runtime import Context, RuntimeParams, load_model, make_model
+from kvcache_ggml.runtime.tokenizer import Vocab
+from kvcache_ggml.serve.engine import Engine, EngineParams, Job, QueueFull
+from kvcache_ggml.serve.protocol import SamplingParams
+from kvcache_ggml.serve.sampling import Sampler
+from kvcache_ggml.serve.text import TextStream
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_model(tmp_path_factory.mktemp("engine") / "m.gguf", layers=2, embd=64, heads=4, heads_kv=2, ff=128,
+                      vocab=VOCAB, seed=7)
+    with load_model(path) as m:
+        yield m
+
+
+def params(n_ctx=512, n_seq=4, n_batch=512, unified=True):
+    return RuntimeParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_seq_max=n_seq,
+                         kv_unified=unified, type_k="f32", type_v="f32", n_threads=2, n_threads_batch=2)
+
+
+def alone(model, prompt, n):
+    """Greedy tokens and their logits rows for ``prompt`` served alone on a fresh context."""
+    with Context(model, params()) as ctx:
+        logits = ctx.decode(Batch(token=np.asarray(prompt, np.int32)))[-1]
+        toks, rows = [], []
+        for _ in range(n):
+            rows.append(logits.copy())
+            toks.append(int(np.argmax(logits)))
+            logits = ctx.decode(Batch(token=np.array(toks[-1:], np.int32)))[0]
+    return toks, rows
+
+
+def prompts(n, length, seed=0, shared=0):
+    rng = np.random.default_rng(seed)
+    head = rng.integers(3, VOCAB, shared)
+    return [np.concatenate([head, rng.integers(3, VOCAB, length - shared)]).astype(np.int32) for _ in range(n)]
+
+
+class Collect:
+    """A job's events, as the HTTP layer would receive them."""
+
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, ev):
+        self.events.append(ev)
+
+    @property
+    def done(self):
+        ends = [e for e in self.events if e.kind != "text"]
+        assert len(ends) == 1, self.events
+        return ends[0]
+
+    @property
+    def tokens(self):
+        return [t for e in self.events if e.kind == "text" for t in e.tokens]
+
+
+def job(vocab, prompt, n, **sp):
+    sink = Collect()
+    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **sp)
+    j = Job(np.asarray(prompt, np.int32), Sampler(p, VOCAB, [vocab.eos]), TextStream(vocab), sink, max_tokens=n,
+            top_logprobs=0)
+    return j, sink
+
+
+# ---------------------------------------------------------------------------------------------- the prefix cache
+
+def test_advance_mixes_prompt_chunks_and_steps(model):
+    """attach + advance: a prompt read in chunks beside another sequence's one-token steps gives that prompt's
+    logits alone, and the index stays exact (the audit compares it with the cells)."""
+    from kvcache_ggml.prefix import PrefixCache
+    a, b = prompts(2, 30, seed=1)
+    ref_a, rows_a = alone(model, a, 4)
+    ref_b, rows_b = alone(model, b, 1)
+    with Context(model, params()) as ctx:
+        pc = PrefixCache(ctx)
+        assert pc.attach(a, 0).n_decoded == 30 and pc.attach(a[:1], 2).logits is None
+        pc.release(2)
+        out = pc.advance([(0, a, True)])
+        assert pc.attach(b, 1).n_reused == 0
+        toks_a = [int(np.argmax(out[0]))]
+        for k in range(0, 30, 12):  # b in chunks of 12 beside a's steps
+            last = k + 12 >= 30
+            out = pc.advance([(0, toks_a[-1:], True), (1, b[k:k + 12], last)])
+            assert (out[1] is not None) == last
+            np.testing.assert_allclose(out[0], rows_a[len(toks_a)], rtol=0, atol=1e-5 * np.abs(rows_a[0]).max())
+            toks_a.append(int(np.argmax(out[0])))
+        np.testing.assert_allclose(out[1], rows_b[0], rtol=0, atol=1e-5 * np.abs(rows_b[0]).max())
+        assert toks_a == ref_a and int(np.argmax(out[1])) == ref_b[0]
+        check(pc)
+        with pytest.raises(ValueError, match="distinct"):
+            pc.advance([(0, [5], True), (0, [6], True)])
+        with pytest.raises(ValueError, match="n_batch"):
+            pc.advance([(0, np.full(513, 5), True)])
+        with pytest.raises(RuntimeError, match="serves no request"):
+            pc.advance([(3, [5], True)])
+        check(pc)
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+def test_chunked_prefill_gives_each_prompt_its_tokens_alone(model):
+    """A token budget of 16 per step: two long prompts are read in chunks while two short requests generate; every
+    request's greedy tokens equal its prompt served alone."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    ps = prompts(2, 6, seed=2) + prompts(2, 40, seed=3)
+    refs = [alone(model, p, 6)[0] for p in ps]
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=4, step_tokens=16))
+        sinks = []
+        for p in ps:
+            j, s = job(vocab, p, 6)
+            eng.submit(j)
+            sinks.append(s)
+        eng.run_until_idle()
+        for s, ref in zip(sinks, refs):
+            assert s.done.finish_reason == "length" and s.tokens == ref
+        # 6 + 6 + 40 + 40 prompt tokens at <= 16 a step, the first token of each request with its last chunk
+        assert eng.stats.computed_tokens == 92 and eng.stats.steps >= 92 // 16
+        assert eng.stats.generated_tokens == 24
+        check(eng.prefix)
+
+
+def test_shared_prefix_is_reused_between_requests(model):
+    vocab = Vocab.from_kv(model.gguf_kv)
+    a, b = prompts(2, 48, seed=4, shared=40)
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=2))
+        ja, sa = job(vocab, a, 4)
+        eng.submit(ja)
+        eng.run_until_idle()
+        jb, sb = job(vocab, b, 4)
+        eng.submit(jb)
+        eng.run_until_idle()
+        assert sa.done.usage["cached_tokens"] == 0 and sb.done.usage["cached_tokens"] == 40
+        assert eng.stats.computed_tokens == 48 + 8
+        assert sb.tokens == alone(model, b, 4)[0]
+
+
+def test_a_full_cache_ends_requests_with_length_and_never_crashes(model):
+    """64 cells for three requests that would each take 60: the engine ends the last admitted ("length") as room
+    runs out, and the others go on; every request gets its end event; the cells stay consistent."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    with Context(model, params(n_ctx=64, n_seq=3, n_batch=64)) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=3))
+        sinks = []
+        for p in prompts(3, 12, seed=5):
+            j, s = job(vocab, p, None)
+            eng.submit(j)
+            sinks.append(s)
+        eng.run_until_idle()
+        reasons = [s.done.finish_reason for s in sinks]
+        assert reasons.count("length") == 3 and eng.stats.ended_full >= 1
+        assert all(s.done.kind == "done" for s in sinks)
+        assert sum(len(s.tokens) for s in sinks) >= 64 - 3 * 12
+        check(eng.prefix)
+
+
+def test_queue_limit_prompt_limit_and_cancel(model):
+    vocab = Vocab.from_kv(model.gguf_kv)
+    with Context(model, params(n_ctx=256, n_seq=2)) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=2, max_queue=1))
+        jobs = [job(vocab, p, 50) for p in prompts(4, 8, seed=6)]
+        for j, _ in jobs[:3]:  # two slots and one place in the queue
+            eng.submit(j)
+        with pytest.raises(QueueFull, match="1 requests are waiting"):
+            eng.submit(jobs[3][0])
+        with pytest.raises(ValueError, match="300 tokens.*256 per sequence"):
+            eng.submit(job(vocab, np.full(300, 5), 1)[0])
+        eng.cancel(jobs[0][0])
+        eng.run_until_idle()
+        assert jobs[0][1].done.finish_reason == "cancelled" and jobs[0][1].tokens == []
+        assert [s.done.finish_reason for _, s in jobs[1:3]] == ["length", "length"]
+        assert eng.stats.requests_cancelled == 1
+        with pytest.raises(ValueError, match="n_parallel must be in"):
+            Engine(ctx, vocab, EngineParams(n_parallel=3))
+        check(eng.prefix)
