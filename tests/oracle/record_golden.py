@@ -2,8 +2,8 @@
 
     /tmp/kvoracle/venv/bin/python tests/oracle/record_golden.py          # writes tests/data/golden_traces.npz
 
-Runs under the oracle's interpreter (``ORACLE_DIR``, default /tmp/kvoracle; ``KVORACLE_SRC``, default this folder;
-tests/oracle).  Nothing here imports kvcache_ggml: the operations are generated from the oracle's own answers
+Runs under the oracle's interpreter (``ORACLE_DIR``, default /tmp/kvoracle; ``KVORACLE_SRC``, default this folder).
+Nothing here imports kvcache_ggml: the operations are generated from the oracle's own answers
 (``seq_pos_max``, its cells), so the file holds llama.cpp's behaviour alone.  Each trace runs in a subprocess of
 this script (``--worker``), which prints one JSON line per operation: an assert in llama.cpp aborts only that
 process, and the trace then ends with the aborted operation (the replay expects kvcache_ggml to raise there and
