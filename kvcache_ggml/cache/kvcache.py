@@ -67,10 +67,6 @@ class KVCache:
         self.inputs = KVInputs(self.book, self.hparams, params.v_trans)
         self.codec = StateCodec(self.book, self.tensors)
         self.step = CacheStep(self.book, self.inputs)        # the fused decode step's placement and inputs
-        # the memory calls of every decode step -- the allocator's seq_pos_max, the undo's seq_rm -- are the
-        # bookkeeping's own bound methods (the same signatures and checks as the delegates below, one frame fewer)
-        self.seq_pos_max = self.book.seq_pos_max
-        self.seq_rm = self.book.seq_rm
         self.rpc = G.RpcWatch.of(b.ptr for b in self.tensors.buffers())  # the buffers on RPC servers, if any
         self.lost: G.RpcServerLostError | None = None        # set when an RPC server of the cache was lost
 
