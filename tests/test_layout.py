@@ -1,4 +1,5 @@
-"""The package's shape: size limits (scripts/check_layout.py) and the layers that must load no ggml."""
+"""The package's shape: size limits (scripts/check_layout.py), no import circles (scripts/check_imports.py) and the
+layers that must load no ggml."""
 import importlib.util
 import subprocess
 import sys
@@ -9,16 +10,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKER = ROOT / "scripts" / "check_layout.py"
+IMPORTS_CHECKER = ROOT / "scripts" / "check_imports.py"
 
 
-def load_checker():
-    spec = importlib.util.spec_from_file_location("check_layout", CHECKER)
+def load_checker(path=CHECKER):
+    name = path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["check_layout"] = mod  # dataclasses look their module up while the class is made
+    sys.modules[name] = mod  # dataclasses look their module up while the class is made
     try:
         spec.loader.exec_module(mod)
     finally:
-        del sys.modules["check_layout"]
+        del sys.modules[name]
     return mod
 
 
@@ -55,3 +58,37 @@ def test_bookkeeping_layers_load_no_ggml(module):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "", f"importing {module} loaded {p.stdout.strip()}"
+
+
+def test_no_import_circles_in_the_package():
+    """Counting every import: under TYPE_CHECKING and inside functions too."""
+    assert load_checker(IMPORTS_CHECKER).circles(ROOT / "kvcache_ggml") == []
+    p = subprocess.run([sys.executable, str(IMPORTS_CHECKER), str(ROOT / "kvcache_ggml")], capture_output=True,
+                       text=True)
+    assert p.returncode == 0 and p.stdout == "", p.stdout + p.stderr
+
+
+def test_import_checker_counts_every_kind_of_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from .a import A\nfrom .sub import S\n",         # re-exports: fine
+        "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\nA = 1\n",
+        "b.py": "def f():\n    from . import a\n",                      # a <-> b, through TYPE_CHECKING and a def
+        "c.py": "import pkg.d\n",
+        "d.py": "from .sub.inner import x\n",
+        "sub/__init__.py": "from .inner import S\n",
+        "sub/inner.py": "from .. import c\nS = x = 1\n",               # c -> d -> sub.inner -> c
+        "e.py": "import os\nfrom pkg import a\n",                       # outside imports ignored; no circle
+        "f.py": "from . import g\n",
+        "g.py": "from .sub import S\nfrom . import f as _\n",         # f <-> g; sub's __init__ is not in it
+    }
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    mod = load_checker(IMPORTS_CHECKER)
+    assert mod.import_graph(pkg)["pkg.g"] == {"pkg.sub", "pkg.f"}
+    assert mod.circles(pkg) == [["pkg.a", "pkg.b"], ["pkg.c", "pkg.d", "pkg.sub.inner"], ["pkg.f", "pkg.g"]]
+    (pkg / "sub" / "inner.py").write_text("from . import S\n")  # a submodule importing its own package's name
+    assert ["pkg.sub", "pkg.sub.inner"] in mod.circles(pkg)
+    p = subprocess.run([sys.executable, str(IMPORTS_CHECKER), str(pkg)], capture_output=True, text=True)
+    assert p.returncode == 1 and "circle: pkg.a <-> pkg.b" in p.stdout.splitlines()
