@@ -44,8 +44,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..._consts import INT32_MAX, LLAMA_MAX_SEQ, SEQ_WORDS
-from .onecell import CellExt, OneCellAPI, bitset_ids
 from .index import ChangeLog, PosMultiset, UsedRange
+from .onecell import CellExt, OneCellAPI, bitset_ids
 
 __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids"]
 
