@@ -2,7 +2,7 @@
 
 ``Context(model, params)`` resolves the parameters (:class:`RuntimeParams` -> ``CParams``), creates the KV cache
 (``v_trans = not flash_attn``, ``kv_size = n_ctx_seq``), a backend scheduler over the devices holding the model
-(CPU last) and one graph context reused across steps.  :meth:`Context.decode` follows ``llama_decode``: validate
+(CPU last), one graph context reused across steps and the small graphs kept per shape (:mod:`.graph_cache`).  :meth:`Context.decode` follows ``llama_decode``: validate
 and auto-fill the batch, apply pending memory updates (stream copies, K-shift), split and place the ubatches, then
 per ubatch ``apply()`` and one ggml graph; the logits of the output tokens come back in batch order.
 
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, fields
 from os import PathLike
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -27,9 +26,11 @@ from ..cache import KVCache, KVCacheParams, Memory, MemoryStatus
 from ..cparams import CParams
 from ..cache.state.files import load_seq_file, save_seq_file
 from .params import RuntimeParams
+from .step_times import StepTimes, TimedSplits
 from .arch import runtime_for
 from .fused_step import FusedStep, StepHost
 from .graph import DecoderGraph
+from .graph_cache import GraphCache
 
 __all__ = ["Context", "RuntimeParams", "DecodeError", "StepTimes"]
 
@@ -47,63 +48,6 @@ class DecodeError(RuntimeError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(f"decode failed ({code}): {message}")
         self.code = code
-
-
-@dataclass(slots=True)
-class StepTimes:
-    """Host seconds spent per phase since the last :meth:`reset` (and counts).  The seconds are measured only by a
-    context made with ``no_perf=False``; otherwise they stay 0 (llama.cpp's default: no performance timings)."""
-
-    batch: float = 0.0          # BatchAllocator: validation, auto-fill and the ubatch splits
-    bookkeeping: float = 0.0    # the cache's cells: slot search (prepare), apply(), n_kv
-    update: float = 0.0         # memory updates: stream copies and K-shift graphs
-    inputs: float = 0.0         # filling the graph inputs (tokens, positions, K/V indices, kq mask)
-    build: float = 0.0          # building the graph and allocating it in the scheduler
-    compute: float = 0.0        # computing the graph and reading the logits back
-    n_decode: int = 0           # decode() calls
-    n_ubatch: int = 0           # graphs computed
-    n_tokens: int = 0           # tokens decoded
-    n_graph_reused: int = 0     # graphs computed again without rebuilding
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, f.default)
-
-    def host_total(self) -> float:
-        return self.batch + self.bookkeeping + self.update + self.inputs + self.build + self.compute
-
-    def as_dict(self) -> dict[str, float | int]:
-        return asdict(self)
-
-
-class _TimedSplits:
-    """The context's BatchAllocator as init_batch sees it: the splits add their time to ``seconds`` (so init_batch's
-    time can be divided between the splits and the slot search).  One per context, reused every step; the other
-    methods the caches call are the allocator's own bound methods."""
-
-    def __init__(self, balloc: BatchAllocator, clock: Callable[[], float]) -> None:
-        self._balloc = balloc
-        self._clock = clock
-        self.seconds = 0.0
-        for name in ("split_reset", "get_n_tokens", "get_n_used", "get_n_outputs", "ubatch_reserve"):
-            setattr(self, name, getattr(balloc, name))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._balloc, name)
-
-    def split_simple(self, n_ubatch: int) -> Any:
-        t0 = self._clock()
-        try:
-            return self._balloc.split_simple(n_ubatch)
-        finally:
-            self.seconds += self._clock() - t0
-
-    def split_equal(self, n_ubatch: int, sequential: bool) -> Any:
-        t0 = self._clock()
-        try:
-            return self._balloc.split_equal(n_ubatch, sequential)
-        finally:
-            self.seconds += self._clock() - t0
 
 
 class Context:
@@ -127,8 +71,10 @@ class Context:
         self.kv: Memory | None = None                      # a KVCache, or a KVCacheISWA (sliding windows)
         self._sched: G.Sched | None = None
         self._backends: list[G.Backend] = []
-        self._gctx: G.Context | None = None
-        self._prev: DecoderGraph | None = None
+        self._gctx: G.Context | None = None                # the graph context of graphs the cache does not keep
+        self._graphs: GraphCache | None = None             # small graphs kept by key, each in its own scheduler
+        self._prev: DecoderGraph | None = None             # the graph of the last ubatch while still allocated
+        self._eval_fn: Any = None                          # the eval callback set on every scheduler, or None
         try:
             self.kv = self._rt.create_memory(model, KVCacheParams(
                 type_k=params.type_k, type_v=params.type_v, v_trans=not params.flash_attn,
@@ -146,6 +92,15 @@ class Context:
             offload_ops = len(self._backends) > 1 and self.cparams.op_offload
             self._sched = G.Sched(self._backends, graph_size=cap, parallel=False, op_offload=offload_ops)
             self._gctx = G.Context.for_tensors(cap, cap)
+
+            def new_sched() -> G.Sched:
+                sched = G.Sched(self._backends, graph_size=cap, parallel=False, op_offload=offload_ops)
+                if self._eval_fn is not None:
+                    sched.set_eval_callback(self._eval_fn)
+                return sched
+
+            self._graphs = GraphCache(params.graph_cache if params.graph_reuse else 0, params.graph_cache_tokens,
+                                      cap, new_sched)
             self._lctx = UpdateContext(self._sched, self.cparams, cap, owned=())
         except BaseException:
             self.close()
@@ -156,12 +111,13 @@ class Context:
         #                                                          read-only when every token is an output
         # what decode() reads every step, resolved once
         self._clock = _no_clock if self.cparams.no_perf else _perf  # the phases' clock (no_perf: always 0.0)
-        self._splits = _TimedSplits(self.balloc, self._clock)    # the allocator, its splits timed
+        self._splits = TimedSplits(self.balloc, self._clock)    # the allocator, its splits timed
         self._n_embd = int(hp.n_embd)
         self._balloc_seq_max = LLAMA_MAX_SEQ if params.kv_unified else self.cparams.n_seq_max
         self._iota = np.arange(self.cparams.n_batch, dtype=np.int32)  # read-only 0..n_batch-1: output_ids
         self._iota.flags.writeable = False                       # of a batch whose every token is an output
         self._n_threads_set = 0                                  # what the CPU backend was last set to (0: unknown)
+        self._multi_stream = not params.kv_unified and self.cparams.n_seq_max > 1  # a stream per sequence
         # a lost RPC server (docs/parity.md, "A dead RPC server"): the weights' RPC buffers; whether any of this
         # context's buffers is on an RPC server (then each compute is followed by one failure-count read)
         self._rpc = G.RpcWatch.of(b.ptr for b in model.buffers()) if hasattr(model, "buffers") else G.RpcWatch((), 0)
@@ -175,7 +131,7 @@ class Context:
         self.fused: FusedStep | None = None
         if params.fast_paths and self._rt.fused and type(self.kv) is KVCache and params.graph_reuse:
             self.fused = FusedStep(self.kv, self.balloc, self.cparams, self.n_vocab, self.times, StepHost(
-                self._sched.ptr, self._iota, self._use_threads, self._fail_compute,
+                self._iota, self._use_threads, self._fail_compute,
                 self.check_rpc if self._watching else None, self._set_step_outputs))
 
     # ------------------------------------------------------------------ decode
@@ -191,10 +147,19 @@ class Context:
         if self._lost is not None or kv.lost is not None:
             err = self._lost or kv.lost
             raise G.RpcServerLostError(f"decode: {err}", err.endpoints)
-        if self._prev is not None and self.fused is not None:
-            logits = self.fused(batch, self._prev)
-            if logits is not None:
-                return logits
+        if self.fused is not None:
+            prev = self._prev
+            if prev is not None:  # the step of a decode loop: the last graph again
+                logits = self.fused(batch, prev)
+                if logits is not None:
+                    return logits
+            g = self._kept_for(batch)  # a step of another shape: the graph kept for it, if any
+            if g is not None and g is not prev:
+                logits = self.fused(batch, g)
+                if logits is not None:
+                    self._prev = self._graphs.get(g.key)  # (now the most recently used)
+                    tm.n_graph_kept += 1
+                    return logits
         t0 = self._clock()
         try:
             balloc.init(batch, self.n_vocab, kv, self._n_embd, self._balloc_seq_max, False)
@@ -232,6 +197,15 @@ class Context:
         tm.compute += self._clock() - t0
         tm.n_tokens += n_tokens_all
         return self.logits
+
+    def _kept_for(self, batch: Batch) -> DecoderGraph | None:
+        """The kept graph a step of one token per sequence of ``batch`` would compute, if any (GraphCache.for_step;
+        the fused step checks the rest)."""
+        s0 = s1 = 0
+        if self._multi_stream and batch.seq_id is not None:  # one stream per sequence: the ids name them
+            ids = batch.seq_id[:, 0]
+            s0, s1 = int(ids.min()), int(ids.max())
+        return self._graphs.for_step(batch.n_tokens, s0, s1)
 
     def _set_step_outputs(self, logits: np.ndarray, output_ids: np.ndarray) -> None:
         """The fused step's outputs: its logits (rows in batch order) and output ids."""
@@ -288,14 +262,20 @@ class Context:
         if g is not None and self.params.graph_reuse and g.key == key:
             tm.n_graph_reused += 1
         else:
-            g = self._build(mctx, ubatch, key)
+            g = self._graphs.get(key)
+            if g is not None:  # built for an earlier step of this shape and still allocated in its scheduler
+                self._prev = g
+                tm.n_graph_reused += 1
+                tm.n_graph_kept += 1
+            else:
+                g = self._build(mctx, ubatch, key)
         t1 = self._clock()
         tm.build += t1 - t0
         self._rt.set_inputs(g, mctx, ubatch, self.cparams.causal_attn)
         t2 = self._clock()
         tm.inputs += t2 - t1
         self._use_threads(ubatch.n_tokens)
-        status = G.ggml_backend_sched_graph_compute(self._sched.ptr, g.graph.ptr)
+        status = G.ggml_backend_sched_graph_compute(g.sched, g.graph.ptr)
         if status != _SUCCESS:
             self._fail_compute(status, self._ubatch_tokens(ubatch))
         if n_outputs:
@@ -306,16 +286,31 @@ class Context:
         tm.n_ubatch += 1
 
     def _build(self, mctx: Any, ubatch: Any, key: Any) -> Any:
-        """A new graph for ``key``: built in the reset graph context, allocated by the reset scheduler."""
+        """A new graph for ``key``: kept by the graph cache in a scheduler of its own when small, else built in the
+        reset graph context and allocated by the reset main scheduler."""
         self._prev = None
-        self._sched.reset()
-        G.ggml_reset(self._gctx.ptr)
-        g = self._rt.build(self._gctx, self.model, self.cparams, mctx, ubatch, key,
-                           flash_attn=self.params.flash_attn, fa_cast_f32_kv=self.params.fa_cast_f32_kv)
-        self._sched.alloc_graph(g.graph)
+
+        def make(gctx: G.Context) -> DecoderGraph:
+            return self._rt.build(gctx, self.model, self.cparams, mctx, ubatch, key,
+                                  flash_attn=self.params.flash_attn, fa_cast_f32_kv=self.params.fa_cast_f32_kv)
+
+        if self._graphs.keeps(key):
+            kept = self._graphs.build(key, make, self._forget_graph)
+            g, g.sched = kept.graph, kept.sched.ptr
+        else:
+            self._sched.reset()
+            G.ggml_reset(self._gctx.ptr)
+            g = make(self._gctx)
+            self._sched.alloc_graph(g.graph)
+            g.sched = self._sched.ptr
         g.map_inputs()
         self._prev = g
         return g
+
+    def _forget_graph(self, g: DecoderGraph) -> None:
+        """``g`` is evicted from the graph cache: the fused step must not keep its views."""
+        if self.fused is not None:
+            self.fused.forget(g)
 
     def _use_threads(self, n_tokens: int) -> None:
         """Set the CPU backend's threads for a graph of ``n_tokens`` (n_threads for one, else n_threads_batch),
@@ -394,7 +389,9 @@ class Context:
         :meth:`kvcache_ggml._ggml.Sched.set_eval_callback`; None removes it.  :class:`~.trace.NodeTrace` uses it."""
         if self._sched is None:
             raise ValueError("the context is closed")
-        self._sched.set_eval_callback(fn)
+        self._eval_fn = fn
+        for sched in (self._sched, *self._graphs.scheds()):
+            sched.set_eval_callback(fn)
 
     # ------------------------------------------------------------------ outputs
 
@@ -509,6 +506,9 @@ class Context:
     def close(self) -> None:
         """Free the graph context, the scheduler, the backends and the cache (idempotent)."""
         self._prev = None
+        if self._graphs is not None:
+            self._graphs.close()
+            self._graphs = None
         if self._gctx is not None:
             self._gctx.close()
             self._gctx = None

@@ -41,9 +41,9 @@ _perf = time.perf_counter
 
 @dataclass(slots=True, frozen=True)
 class StepHost:
-    """What the context that owns a fused step gives it: its scheduler and its callbacks, nothing to reach into."""
+    """What the context that owns a fused step gives it: its callbacks, nothing to reach into (a graph names the
+    scheduler it is allocated in)."""
 
-    sched: int                                           # ggml_backend_sched_t the graphs are computed on
     iota: np.ndarray                                     # int32 0..n_batch-1, read-only: a step's output ids
     use_threads: Callable[[int], None]                   # set the CPU threads for a graph of n tokens
     fail_compute: Callable[[int, Any], None]             # (status, (seq, pos) per token): undo the step, raise
@@ -88,7 +88,7 @@ class FusedStep:
                 return None
             self._graph = g
             self._tok_m, self._pos_m, self._out_m = (memoryview(v) for v in (g.tokens_h, g.pos_h, g.out_ids_h))
-            self._args = (self.host.sched, g.graph.ptr)
+            self._args = (g.sched, g.graph.ptr)
         if not self.step.ready():
             return None
         if batch.n_tokens == 1:
@@ -120,6 +120,13 @@ class FusedStep:
         g.out_ids_h[...] = g.out_rows
         self.step.fill(g.kv_views, seqs, pos, self.causal)
         return self._compute(g, n, seqs, pos, t0, t1, t2)
+
+    def forget(self, g: DecoderGraph) -> None:
+        """``g`` is allocated again or dropped (the context's graph cache): its views are no longer valid."""
+        if g is self._graph:
+            self._graph = None
+            self._tok_m = self._pos_m = self._out_m = memoryview(b"")
+            self._args = (0, 0)
 
     def _one(self, batch: Batch, g: DecoderGraph) -> np.ndarray | None:
         """The step of one token (the same as above without lists)."""

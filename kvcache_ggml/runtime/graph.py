@@ -58,6 +58,7 @@ class DecoderGraph:
     logits_h: np.ndarray | None = None   # float32 [n_outputs, n_vocab] host view of the logits
     out_rows: np.ndarray | None = None   # int32 [n_outputs] 0..n_outputs-1: out_ids when every token is an output
     kv_views: tuple | None = None        # the memory context's input_views of k_idxs, v_idxs, kq_mask (first fill)
+    sched: int = 0                       # the ggml_backend_sched_t it is allocated in (0: not yet)
 
     def map_inputs(self) -> None:
         """After the scheduler allocated the graph (its tensors keep their memory while the graph is reused):

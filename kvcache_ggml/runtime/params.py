@@ -36,6 +36,10 @@ class RuntimeParams:
     offload_kqv: bool = True          # K/V of layer il on the model's dev_layer(il) (the CPU by default)
     fa_cast_f32_kv: bool = False      # cast an F32 K/V cache to F16 before flash attention, as llama.cpp does
     graph_reuse: bool = True          # compute the previous graph again when its topology fits the ubatch
+    graph_cache: int = 16             # small graphs kept by topology, each allocated in its own scheduler, so a
+    #                                   step of a shape seen before computes its graph without building it (0: the
+    #                                   previous graph alone, as llama.cpp); GraphCache
+    graph_cache_tokens: int = 32      # graphs of at most this many tokens are kept (the decode steps)
     swa_full: bool = True             # sliding-window models: a full-size SWA cache (llama.cpp's default)
     no_perf: bool = True              # no host timings: StepTimes keeps its counts, its seconds stay 0 (llama.cpp's
     #                                   default; False measures each phase of each step)
@@ -54,9 +58,11 @@ class RuntimeParams:
                              offload_kqv=self.offload_kqv, kv_unified=self.kv_unified, no_perf=self.no_perf)
 
     def check(self) -> None:
-        for name in ("n_batch", "n_ubatch", "n_seq_max", "n_threads", "n_threads_batch"):
+        for name in ("n_batch", "n_ubatch", "n_seq_max", "n_threads", "n_threads_batch", "graph_cache_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.graph_cache < 0:
+            raise ValueError(f"graph_cache must be >= 0, got {self.graph_cache}")
         if self.n_ctx < 0:
             raise ValueError(f"n_ctx must be >= 0 (0: the model's training context), got {self.n_ctx}")
         if self.n_seq_max > LLAMA_MAX_SEQ:
