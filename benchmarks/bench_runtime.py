@@ -30,7 +30,9 @@ best).  Both sides run on the same CPUs (``--no-pin``: any CPU), both contexts w
 timings (``no_perf``, llama.cpp's default).  Then our host time per step split into batch splitting, cache
 bookkeeping, memory updates, input setting, graph build and compute (with the logits read back), from two more runs
 of a context that times them (``no_perf=False``), and the C calls and tensor-struct reads per step.
-``--no-graph-reuse`` turns graph reuse off on both sides (ours ``graph_reuse=False``, llama.cpp's
+``--alternate`` makes step k decode sequences 0..k % n_par only, so the batch's shape changes at every step, as in a
+serving loop: llama.cpp, which reuses only the previous graph, builds every step's graph; ours computes the graph it
+keeps for that shape (runtime/graph_cache.py; the mode shows ``/alt``).  ``--no-graph-reuse`` turns graph reuse off on both sides (ours ``graph_reuse=False``, llama.cpp's
 ``LLAMA_GRAPH_REUSE_DISABLE=1``; the mode shows ``/build``): every step builds, allocates and fills its graph, as
 the first step after a prompt does, so the table compares a step that builds its graph.
 
@@ -94,10 +96,17 @@ class Config:
     n_ctx: int           # context size, all sequences together
     n_gen: int           # decode steps of one run
     reuse: bool = True   # graph reuse on (off: every step builds its graph, on both sides)
+    alternate: bool = False  # step k decodes sequences 0..k % n_par: the shape changes every step (serving)
 
     @property
     def label(self) -> str:
-        return self.mode if self.reuse else f"{self.mode}/build"
+        return self.mode + ("" if self.reuse else "/build") + ("/alt" if self.alternate else "")
+
+    def n_tokens(self) -> int:
+        """Tokens decoded by the n_gen steps."""
+        if not self.alternate:
+            return self.n_par * self.n_gen
+        return sum(1 + k % self.n_par for k in range(self.n_gen))
 
     def params(self) -> dict:
         fa, unified = MODES[self.mode]
@@ -137,15 +146,18 @@ def our_steps(ctx: Context, n_prompt: int, cfg: Config) -> tuple[float, float, f
     n_vocab, n_par = ctx.n_vocab, cfg.n_par
     seqs = np.arange(n_par, dtype=np.int32)
     flags = np.ones(n_par, np.int8)
+    pos = np.full(n_par, n_prompt, np.int32)
     ctx.times.reset()
     spent = 0.0
     t0, c0 = time.perf_counter(), time.thread_time()
     for step in range(cfg.n_gen):
-        toks = np.array([(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)], np.int32)
-        b = Batch(token=toks, pos=np.full(n_par, n_prompt + step, np.int32), seq_id=seqs, logits=flags)
+        m = 1 + step % n_par if cfg.alternate else n_par
+        toks = np.array([(7 * step + 3 * s + 5) % n_vocab for s in range(m)], np.int32)
+        b = Batch(token=toks, pos=pos[:m].copy(), seq_id=seqs[:m], logits=flags[:m])
         t1 = time.perf_counter()
         ctx.decode(b)
         spent += time.perf_counter() - t1
+        pos[:m] += 1
     return time.perf_counter() - t0, spent, time.thread_time() - c0
 
 
@@ -171,7 +183,8 @@ def one_run(ctx: Context, session: LlamaSession | None, prompt: np.ndarray, cfg:
     if session is None:
         return
     time.sleep(quiet)
-    theirs.update(session.op({"op": "bench_steps", "n_par": cfg.n_par, "n_prompt": len(prompt), "n": cfg.n_gen}))
+    theirs.update(session.op({"op": "bench_steps", "n_par": cfg.n_par, "n_prompt": len(prompt), "n": cfg.n_gen,
+                              "alternate": cfg.alternate}))
     best = res.llama or {"prompt_s": float("inf"), "gen_s": float("inf"), "cpu_s": float("inf")}
     best["prompt_s"] = min(best["prompt_s"], theirs["prompt_s"])
     best["cpu_s"] = min(best["cpu_s"], theirs["cpu_s"])
@@ -184,8 +197,8 @@ def one_run(ctx: Context, session: LlamaSession | None, prompt: np.ndarray, cfg:
 def count_calls(ctx: Context, cfg: Config, res: Result, steps: int = 8) -> None:
     """C calls and struct reads per one-token-per-sequence step, after the timed runs (graph reused)."""
     seqs = np.arange(cfg.n_par, dtype=np.int32)
-    pos = ctx.memory_seq_pos_max(0) + 1
-    batches = [Batch(token=np.full(cfg.n_par, 7, np.int32), pos=np.full(cfg.n_par, pos + i, np.int32),
+    pos = np.array([ctx.memory_seq_pos_max(s) + 1 for s in range(cfg.n_par)], np.int32)  # (--alternate: uneven)
+    batches = [Batch(token=np.full(cfg.n_par, 7, np.int32), pos=pos + i,
                      seq_id=seqs, logits=np.ones(cfg.n_par, np.int8)) for i in range(steps)]
     ctx.decode(batches[0])
     with NativeCalls() as nc:
@@ -229,7 +242,7 @@ def print_tables(rows: list[tuple[Config, Result]]) -> None:
     print(f"\n{'model':>5} {'seqs':>4} {'mode':>13} {'thr':>3} {'ours tok/s':>11} {'llama tok/s':>11} "
           f"{'ratio':>7} {'paired':>7} {'core':>7} {'cpu':>7} {'prompt':>7}")
     for cfg, r in rows:
-        n_tok = cfg.n_par * cfg.n_gen
+        n_tok = cfg.n_tokens()
         ll = r.llama or {}
         print(f"{cfg.model:>5} {cfg.n_par:>4} {cfg.label:>13} {cfg.threads:>3} {n_tok / r.gen_s:11.0f} "
               f"{(n_tok / ll['gen_s']) if ll else 0:11.0f} {_ratio(r.gen_s, ll.get('gen_s'))} "
@@ -280,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graph-reuse", action="store_true",
                     help="every step builds its graph on both sides (ours: graph_reuse=False; llama.cpp: "
                          "LLAMA_GRAPH_REUSE_DISABLE=1): the cost of a step that builds its graph, side by side")
+    ap.add_argument("--alternate", action="store_true",
+                    help="step k decodes sequences 0..k %% n_par only: the batch's shape changes every step, as in a "
+                         "serving loop (llama.cpp then builds every step's graph; ours keeps a graph per shape)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args(argv)
     G.set_log_level(3)  # warnings and errors only, as llama.cpp's side (not CPU_REPACK's line per tensor)
@@ -291,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             threads = a.threads if name == "tiny" else a.real_threads
             n_gen = a.n_gen if name == "tiny" else max(4, a.n_gen // 4)
             pin(threads, a.no_pin)
-            mine = [(Config(name, path, n_par, mode, threads, max(1024, 256 * n_par), n_gen, not a.no_graph_reuse),
+            mine = [(Config(name, path, n_par, mode, threads, max(1024, 256 * n_par), n_gen, not a.no_graph_reuse,
+                            a.alternate),
                      Result()) for n_par in (int(x) for x in a.n_par.split(",")) for mode in a.modes.split(",")]
             with Model(path) as m:
                 # sessions outermost: a slow spell of the machine (they last a minute or so) then touches one

@@ -399,15 +399,20 @@ def _bench_prompt(L, mem, decode, op, n_vocab):  # pragma: no cover - oracle sid
 
 def _bench_steps(L, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
     """``n`` steps after a ``bench_prompt`` of ``n_prompt`` tokens: one token per sequence, all output, the logits
-    taken as a numpy view of llama.cpp's buffer (our decode returns a view of its own).  Their wall, llama_decode
-    and thread CPU seconds."""
+    taken as a numpy view of llama.cpp's buffer (our decode returns a view of its own).  With ``alternate``, step k
+    decodes sequences 0..k % n_par only (the batch's shape changes every step, as in a serving loop).  Their wall,
+    llama_decode and thread CPU seconds."""
     del L, mem
-    n_par, n = op.get("n_par", 1), op["n_prompt"]
+    n_par, alternate = op.get("n_par", 1), op.get("alternate", False)
+    pos = [op["n_prompt"]] * n_par
     t0, d0, c0 = time.perf_counter(), decode.spent, time.thread_time()
     for step in range(op["n"]):
-        toks = [(7 * step + 3 * s + 5) % n_vocab for s in range(n_par)]
-        ret, _ = decode(toks, [n + step] * n_par, [[s] for s in range(n_par)], [1] * n_par, copy=False)
+        m = 1 + step % n_par if alternate else n_par
+        toks = [(7 * step + 3 * s + 5) % n_vocab for s in range(m)]
+        ret, _ = decode(toks, pos[:m], [[s] for s in range(m)], [1] * m, copy=False)
         assert ret == 0, ret
+        for s in range(m):
+            pos[s] += 1
     return {"gen_s": time.perf_counter() - t0, "decode_s": decode.spent - d0, "cpu_s": time.thread_time() - c0}
 
 
@@ -415,7 +420,8 @@ def _bench(L, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
     """Prompt (``bench_prompt``), then ``n_gen`` steps of one token per sequence (``bench_steps``).  Best of
     ``reps`` for each."""
     best_p = best_g = best_d = best_c = float("inf")
-    steps = {"n_par": op.get("n_par", 1), "n_prompt": len(op["prompt"]), "n": op["n_gen"]}
+    steps = {"n_par": op.get("n_par", 1), "n_prompt": len(op["prompt"]), "n": op["n_gen"],
+             "alternate": op.get("alternate", False)}
     for _ in range(op.get("reps", 3)):
         best_p = min(best_p, _bench_prompt(L, mem, decode, op, n_vocab)["prompt_s"])
         r = _bench_steps(L, mem, decode, steps, n_vocab)
