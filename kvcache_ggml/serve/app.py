@@ -83,35 +83,68 @@ class _Prepared:
 
 def make_app(svc: Service) -> Starlette:
     """The ASGI app over ``svc`` (the engine is started and stopped with the app's lifespan)."""
-    eng, vocab = svc.engine, svc.vocab
-    n_vocab = len(vocab.tokens)
-    eog = np.array([t for t in range(n_vocab) if vocab.is_eog(t)], np.int32)
+    api = _Api(svc)
 
-    def auth(request: Request) -> None:
-        if not svc.api_key or request.url.path in _OPEN_PATHS:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        svc.engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, svc.engine.stop)
+
+    return Starlette(routes=[
+        Route("/health", api.health, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+    ], lifespan=lifespan)
+
+
+class _Api:
+    """The endpoints over one service."""
+
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+        self.eng = svc.engine
+        self.vocab = vocab = svc.vocab
+        self.n_vocab = len(vocab.tokens)
+        # the end-of-generation ids (ignore_eos masks them), found once
+        self.eog = np.array([t for t in range(self.n_vocab) if vocab.is_eog(t)], np.int32)
+
+    # ------------------------------------------------------------------ reading a request
+
+    def auth(self, request: Request) -> None:
+        key_set = self.svc.api_key
+        if not key_set or request.url.path in _OPEN_PATHS:
             return
         got = request.headers.get("authorization", "")
         key = got[7:] if got.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(key.encode(), svc.api_key.encode()):
+        if not hmac.compare_digest(key.encode(), key_set.encode()):
             raise P.RequestError("invalid or missing API key (Authorization: Bearer KEY)", status=401,
                                  type="authentication_error", code="invalid_api_key")
 
-    async def body_of(request: Request) -> Any:
-        auth(request)
+    async def body_of(self, request: Request) -> Any:
+        self.auth(request)
+        limit = self.svc.max_body
         size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > svc.max_body:
-            raise P.RequestError(f"the body has {size} bytes; the limit is {svc.max_body}", status=413)
+        if size is not None and size.isdigit() and int(size) > limit:
+            raise P.RequestError(f"the body has {size} bytes; the limit is {limit}", status=413)
         data = bytearray()
         async for part in request.stream():
             data += part
-            if len(data) > svc.max_body:
-                raise P.RequestError(f"the body has more than {svc.max_body} bytes, the limit", status=413)
+            if len(data) > limit:
+                raise P.RequestError(f"the body has more than {limit} bytes, the limit", status=413)
         try:
             return json.loads(data)
         except (ValueError, UnicodeDecodeError) as err:
             raise P.RequestError(f"the body is not valid JSON: {err}") from None
 
-    def prompt_tokens(req: Any, chat: bool) -> np.ndarray:
+    def prompt_tokens(self, req: Any, chat: bool) -> np.ndarray:
+        vocab, svc = self.vocab, self.svc
         if chat:
             if svc.template is None:
                 raise P.RequestError(f"model {svc.model_name!r} has no chat template (tokenizer.chat_template); "
@@ -125,25 +158,25 @@ def make_app(svc: Service) -> Starlette:
             return np.array(req.prompt, np.int32)
         return np.array(vocab.tokenize(req.prompt, add_special=True, parse_special=True), np.int32)
 
-    async def prepare(request: Request, chat: bool) -> _Prepared:
-        body = await body_of(request)
+    async def prepare(self, request: Request, chat: bool) -> _Prepared:
+        body = await self.body_of(request)
         req = P.parse_chat(body) if chat else P.parse_completion(body)
-        if req.model != svc.model_name:
-            raise P.RequestError(f"model {req.model!r} is not served (served: {svc.model_name!r})", param="model",
-                                 code="model_not_found")
-        req.check_vocab(n_vocab)
-        tokens = prompt_tokens(req, chat)
+        if req.model != self.svc.model_name:
+            raise P.RequestError(f"model {req.model!r} is not served (served: {self.svc.model_name!r})",
+                                 param="model", code="model_not_found")
+        req.check_vocab(self.n_vocab)
+        tokens = self.prompt_tokens(req, chat)
         sp = req.sampling
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         cache_prompt = body.get("cache_prompt", True)  # llama-server's extension
         if not isinstance(cache_prompt, bool):
             raise P.RequestError(f"cache_prompt must be a boolean, got {cache_prompt!r}", param="cache_prompt")
-        job = Job(tokens, Sampler(sp, n_vocab, eog), TextStream(vocab, sp.stop),
+        job = Job(tokens, Sampler(sp, self.n_vocab, self.eog), TextStream(self.vocab, sp.stop),
                   lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), max_tokens=sp.max_tokens,
                   cache_prompt=cache_prompt, top_logprobs=sp.top_logprobs if sp.logprobs else -1)
         try:
-            eng.submit(job)
+            self.eng.submit(job)
         except QueueFull as err:
             raise P.RequestError(f"the server is busy: {err}", status=503, type="server_error",
                                  code="queue_full") from None
@@ -154,31 +187,32 @@ def make_app(svc: Service) -> Starlette:
 
     # ------------------------------------------------------------------ logprobs in OpenAI's two shapes
 
-    def piece(t: int) -> tuple[str, bytes]:
-        b = vocab.token_to_piece(int(t))
+    def piece(self, t: int) -> tuple[str, bytes]:
+        b = self.vocab.token_to_piece(int(t))
         return b.decode("utf-8", errors="replace"), b
 
-    def chat_lps(lps: list[dict]) -> list[dict]:
+    def chat_lps(self, lps: list[dict]) -> list[dict]:
         out = []
         for d in lps:
-            text, raw = piece(d["id"])
-            out.append(P.chat_token_logprob(text, raw, d["logprob"], [(*piece(i), lp) for i, lp in d["top"]]))
+            text, raw = self.piece(d["id"])
+            top = [(*self.piece(i), lp) for i, lp in d["top"]]
+            out.append(P.chat_token_logprob(text, raw, d["logprob"], top))
         return out
 
-    def completion_lps(lps: list[dict], offset: int) -> dict:
+    def completion_lps(self, lps: list[dict], offset: int) -> dict:
         toks, lp, tops, offs = [], [], [], []
         for d in lps:
-            text = piece(d["id"])[0]
+            text = self.piece(d["id"])[0]
             toks.append(text)
             lp.append(d["logprob"])
-            tops.append({piece(i)[0]: x for i, x in d["top"]})
+            tops.append({self.piece(i)[0]: x for i, x in d["top"]})
             offs.append(offset)
             offset += len(text)
         return P.completion_logprobs(toks, lp, tops, offs)
 
     # ------------------------------------------------------------------ answers
 
-    async def events(p: _Prepared, request: Request) -> AsyncIterator[Event]:
+    async def events(self, p: _Prepared, request: Request) -> AsyncIterator[Event]:
         """The job's events until its end; cancels the job when the client goes away or the task is cancelled."""
         done = False
         try:
@@ -195,11 +229,11 @@ def make_app(svc: Service) -> Starlette:
                     return
         finally:
             if not done:
-                eng.cancel(p.job)
+                self.eng.cancel(p.job)
 
-    async def whole(p: _Prepared, request: Request) -> Response:
+    async def whole(self, p: _Prepared, request: Request) -> Response:
         text, lps, end = [], [], None
-        async for ev in events(p, request):
+        async for ev in self.events(p, request):
             if ev.kind == "text":
                 text.append(ev.text)
                 lps += ev.logprobs
@@ -209,74 +243,73 @@ def make_app(svc: Service) -> Starlette:
             return Response(status_code=499)
         if end.kind == "error":
             return _error(P.RequestError(end.text, status=500, type="server_error"))
-        u = P.usage_dict(end.usage["prompt_tokens"], end.usage["completion_tokens"], end.usage["cached_tokens"])
-        content = "".join(text)
+        u = end.usage
+        usage = P.usage_dict(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+        content, name = "".join(text), self.svc.model_name
         want_lp = p.job.top_logprobs >= 0
         if p.chat:
-            body = P.chat_response(p.id, p.created, svc.model_name, content, end.finish_reason, u,
-                                   chat_lps(lps) if want_lp else None)
+            body = P.chat_response(p.id, p.created, name, content, end.finish_reason, usage,
+                                   self.chat_lps(lps) if want_lp else None)
         else:
-            body = P.completion_response(p.id, p.created, svc.model_name, content, end.finish_reason, u,
-                                         completion_lps(lps, 0) if want_lp else None)
+            body = P.completion_response(p.id, p.created, name, content, end.finish_reason, usage,
+                                         self.completion_lps(lps, 0) if want_lp else None)
         return JSONResponse(body)
 
-    async def stream(p: _Prepared, request: Request) -> AsyncIterator[str]:
-        want_lp = p.job.top_logprobs >= 0
-        offset = 0
+    async def stream(self, p: _Prepared, request: Request) -> AsyncIterator[str]:
+        want_lp, name, offset = p.job.top_logprobs >= 0, self.svc.model_name, 0
         if p.chat:
-            yield _sse(P.chat_chunk(p.id, p.created, svc.model_name, {"role": "assistant", "content": ""}))
-        async for ev in events(p, request):
+            yield _sse(P.chat_chunk(p.id, p.created, name, {"role": "assistant", "content": ""}))
+        async for ev in self.events(p, request):
             if ev.kind == "text":
                 if p.chat:
-                    yield _sse(P.chat_chunk(p.id, p.created, svc.model_name, {"content": ev.text}, None,
-                                            chat_lps(ev.logprobs) if want_lp else None))
+                    yield _sse(P.chat_chunk(p.id, p.created, name, {"content": ev.text}, None,
+                                            self.chat_lps(ev.logprobs) if want_lp else None))
                 else:
-                    yield _sse(P.completion_chunk(p.id, p.created, svc.model_name, ev.text, None,
-                                                  completion_lps(ev.logprobs, offset) if want_lp else None))
+                    yield _sse(P.completion_chunk(p.id, p.created, name, ev.text, None,
+                                                  self.completion_lps(ev.logprobs, offset) if want_lp else None))
                 offset += len(ev.text)
             elif ev.kind == "error":
                 yield _sse(P.RequestError(ev.text, status=500, type="server_error").body())
             else:
                 if p.chat:
-                    yield _sse(P.chat_chunk(p.id, p.created, svc.model_name, {}, ev.finish_reason))
+                    yield _sse(P.chat_chunk(p.id, p.created, name, {}, ev.finish_reason))
                 else:
-                    yield _sse(P.completion_chunk(p.id, p.created, svc.model_name, "", ev.finish_reason))
+                    yield _sse(P.completion_chunk(p.id, p.created, name, "", ev.finish_reason))
                 if p.req.stream_include_usage:
                     u = ev.usage
-                    yield _sse(P.usage_chunk(p.id, p.created, svc.model_name,
-                                             P.usage_dict(u["prompt_tokens"], u["completion_tokens"],
-                                                          u["cached_tokens"]), p.chat))
+                    usage = P.usage_dict(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+                    yield _sse(P.usage_chunk(p.id, p.created, name, usage, p.chat))
         yield "data: [DONE]\n\n"
 
-    async def generate(request: Request, chat: bool) -> Response:
+    async def generate(self, request: Request, chat: bool) -> Response:
         try:
-            p = await prepare(request, chat)
+            p = await self.prepare(request, chat)
         except P.RequestError as e:
-            return _error(e, {"Retry-After": str(svc.retry_after)} if e.status == 503 else None)
+            return _error(e, {"Retry-After": str(self.svc.retry_after)} if e.status == 503 else None)
         except ClientDisconnect:
             return Response(status_code=499)
         if p.req.stream:
-            return StreamingResponse(stream(p, request), media_type="text/event-stream",
+            return StreamingResponse(self.stream(p, request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await whole(p, request)
+        return await self.whole(p, request)
 
-    async def completions(request: Request) -> Response:
-        return await generate(request, chat=False)
+    # ------------------------------------------------------------------ endpoints
 
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, chat=True)
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
 
-    # ------------------------------------------------------------------ the small endpoints
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
 
-    async def health(request: Request) -> Response:
+    async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def models(request: Request) -> Response:
-        return JSONResponse(P.models_response([svc.model_name], svc.created))
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(P.models_response([self.svc.model_name], self.svc.created))
 
-    async def tokenize(request: Request) -> Response:
+    async def tokenize(self, request: Request) -> Response:
         try:
-            body = await body_of(request)
+            body = await self.body_of(request)
             if not isinstance(body, dict) or not isinstance(body.get("content"), str):
                 raise P.RequestError("tokenize needs {\"content\": string}", param="content")
             add_special = body.get("add_special", False)
@@ -284,46 +317,28 @@ def make_app(svc: Service) -> Starlette:
                 raise P.RequestError(f"add_special must be a boolean, got {add_special!r}", param="add_special")
         except P.RequestError as e:
             return _error(e)
-        return JSONResponse({"tokens": vocab.tokenize(body["content"], add_special=add_special,
-                                                      parse_special=True)})
+        return JSONResponse({"tokens": self.vocab.tokenize(body["content"], add_special=add_special,
+                                                           parse_special=True)})
 
-    async def detokenize(request: Request) -> Response:
+    async def detokenize(self, request: Request) -> Response:
         try:
-            body = await body_of(request)
+            body = await self.body_of(request)
             toks = body.get("tokens") if isinstance(body, dict) else None
             if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
                 raise P.RequestError("detokenize needs {\"tokens\": [integers]}", param="tokens")
-            bad = [t for t in toks if not 0 <= t < n_vocab]
+            bad = [t for t in toks if not 0 <= t < self.n_vocab]
             if bad:
-                raise P.RequestError(f"token id {bad[0]} is out of range [0, {n_vocab})", param="tokens")
+                raise P.RequestError(f"token id {bad[0]} is out of range [0, {self.n_vocab})", param="tokens")
         except P.RequestError as e:
             return _error(e)
-        return JSONResponse({"content": vocab.detokenize(toks)})
+        return JSONResponse({"content": self.vocab.detokenize(toks)})
 
-    async def metrics(request: Request) -> Response:
+    async def metrics(self, request: Request) -> Response:
         try:
-            auth(request)
+            self.auth(request)
         except P.RequestError as e:
             return _error(e)
-        return PlainTextResponse(metrics_text(eng), media_type="text/plain; version=0.0.4")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        eng.start()
-        try:
-            yield
-        finally:
-            await asyncio.get_running_loop().run_in_executor(None, eng.stop)
-
-    return Starlette(routes=[
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/metrics", metrics, methods=["GET"]),
-    ], lifespan=lifespan)
+        return PlainTextResponse(metrics_text(self.eng), media_type="text/plain; version=0.0.4")
 
 
 def metrics_text(eng: Engine) -> str:
