@@ -192,3 +192,24 @@ def test_queue_limit_prompt_limit_and_cancel(model):
         with pytest.raises(ValueError, match="n_parallel must be in"):
             Engine(ctx, vocab, EngineParams(n_parallel=3))
         check(eng.prefix)
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(model):
+    """Four prompts sharing 60 tokens, submitted at once, read 16 tokens a step: the first computes the shared part,
+    the others wait for it and reuse it (prompt tokens computed: the ideal, 60 + each one's own 10), and each gets
+    its tokens alone."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    ps = prompts(4, 70, seed=8, shared=60)
+    refs = [alone(model, p, 3)[0] for p in ps]
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=4, step_tokens=16))
+        sinks = []
+        for p in ps:
+            j, s = job(vocab, p, 3)
+            eng.submit(j)
+            sinks.append(s)
+        eng.run_until_idle()
+        assert eng.stats.computed_tokens == 60 + 4 * 10
+        assert [s.done.usage["cached_tokens"] for s in sinks] == [0, 60, 60, 60]
+        assert [s.tokens for s in sinks] == refs
+        check(eng.prefix)

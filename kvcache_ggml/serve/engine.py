@@ -11,6 +11,8 @@ Life of a request (:class:`Job`)
 2. Admission, between steps, while fewer than ``n_parallel`` requests run: :meth:`PrefixCache.pick_seq` gives it a
    sequence and :meth:`PrefixCache.attach` the longest cached prefix of its prompt (its own parked sequence, a
    ``seq_cp`` of another's, or a host-tier blob): those tokens are ``cached_tokens`` and are not computed again.
+   A request whose prompt shares a longer prefix with one that another request is still reading waits until that
+   prefix is in the cache (users who arrive together with one system prompt compute it once).
 3. Prefill in chunks, then one token a step, each sampled by the request's :class:`~.sampling.Sampler` and turned
    into text by its :class:`~.text.TextStream` (UTF-8 safe, stop strings held back).
 4. It ends at an end-of-generation token or a stop string (``finish_reason`` "stop"), at ``max_tokens`` or the
@@ -47,6 +49,12 @@ from .text import TextStream
 __all__ = ["EngineParams", "Engine", "Job", "Event", "QueueFull", "EngineStats"]
 
 _perf = time.perf_counter
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
+    m = min(a.size, b.size, limit)
+    neq = np.flatnonzero(a[:m] != b[:m])
+    return int(neq[0]) if neq.size else m
 
 
 class QueueFull(Exception):
@@ -300,12 +308,16 @@ class Engine:
     # ------------------------------------------------------------------ admission and the end of a request
 
     def _admit(self) -> None:
+        deferred: list[Job] = []
         while self._waiting and len(self._running) < self.params.n_parallel:
             job = self._waiting[0]
+            if self._prefix_coming(job):
+                deferred.append(self._waiting.popleft())
+                continue
             try:
                 seq = self.prefix.pick_seq(job.tokens)
             except ValueError:
-                return  # every sequence serves a request
+                break  # every sequence serves a request
             self._waiting.popleft()
             try:
                 adm = self.prefix.attach(job.tokens, seq)
@@ -317,6 +329,22 @@ class Engine:
             self.stats.prompt_tokens += job.tokens.size
             self.stats.cached_tokens += adm.n_reused
             self._running.append(job)
+        self._waiting.extendleft(reversed(deferred))  # first in the queue again, in their order
+
+    def _prefix_coming(self, job: Job) -> bool:
+        """Whether a request still reading its prompt will soon hold a longer prefix of ``job``'s prompt than the
+        cache holds now: ``job`` then waits for it and reuses it, rather than computing the same tokens beside it
+        (users arriving together with one system prompt)."""
+        readers = [r for r in self._running if r.fed < r.tokens.size]
+        if not readers:
+            return False
+        limit = job.tokens.size - 1
+        cached = self.prefix.match(job.tokens, limit).n_tokens
+        for r in readers:
+            shared = _common_prefix(r.tokens, job.tokens, limit)
+            if shared > cached and r.fed < shared:
+                return True
+        return False
 
     def _sampled(self, job: Job, logits: np.ndarray) -> None:
         tok = job.sampler.sample(logits)
