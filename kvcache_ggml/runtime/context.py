@@ -92,15 +92,9 @@ class Context:
             offload_ops = len(self._backends) > 1 and self.cparams.op_offload
             self._sched = G.Sched(self._backends, graph_size=cap, parallel=False, op_offload=offload_ops)
             self._gctx = G.Context.for_tensors(cap, cap)
-
-            def new_sched() -> G.Sched:
-                sched = G.Sched(self._backends, graph_size=cap, parallel=False, op_offload=offload_ops)
-                if self._eval_fn is not None:
-                    sched.set_eval_callback(self._eval_fn)
-                return sched
-
+            self._offload_ops = offload_ops
             self._graphs = GraphCache(params.graph_cache if params.graph_reuse else 0, params.graph_cache_tokens,
-                                      cap, new_sched)
+                                      cap, self._new_sched)
             self._lctx = UpdateContext(self._sched, self.cparams, cap, owned=())
         except BaseException:
             self.close()
@@ -122,6 +116,8 @@ class Context:
         # context's buffers is on an RPC server (then each compute is followed by one failure-count read)
         self._rpc = G.RpcWatch.of(b.ptr for b in model.buffers()) if hasattr(model, "buffers") else G.RpcWatch((), 0)
         self._watching = self._rpc.active or self.kv.rpc.active
+        if self._watching:  # no kept graphs: each one's scheduler allocates on the RPC server, and ggml's allocator
+            self._graphs.capacity = 0  # goes on with a NULL buffer when a lost server fails the allocation
         self._lost: G.RpcServerLostError | None = None           # set when a server of the weights or the cache died
         if not params.fast_paths:  # the one switch of every decode fast path
             self.balloc.fast = False
@@ -294,18 +290,28 @@ class Context:
             return self._rt.build(gctx, self.model, self.cparams, mctx, ubatch, key,
                                   flash_attn=self.params.flash_attn, fa_cast_f32_kv=self.params.fa_cast_f32_kv)
 
-        if self._graphs.keeps(key):
-            kept = self._graphs.build(key, make, self._forget_graph)
-            g, g.sched = kept.graph, kept.sched.ptr
-        else:
-            self._sched.reset()
-            G.ggml_reset(self._gctx.ptr)
-            g = make(self._gctx)
-            self._sched.alloc_graph(g.graph)
-            g.sched = self._sched.ptr
+        try:
+            if self._graphs.keeps(key):
+                kept = self._graphs.build(key, make, self._forget_graph)
+                g, g.sched = kept.graph, kept.sched.ptr
+            else:
+                self._sched.reset()
+                G.ggml_reset(self._gctx.ptr)
+                g = make(self._gctx)
+                self._sched.alloc_graph(g.graph)
+                g.sched = self._sched.ptr
+        except MemoryError as e:
+            self._fail_alloc(e, self._ubatch_tokens(ubatch))
         g.map_inputs()
         self._prev = g
         return g
+
+    def _new_sched(self) -> G.Sched:
+        """A scheduler over this context's backends, with its eval callback (a kept graph's)."""
+        sched = G.Sched(self._backends, graph_size=self._graph_size, parallel=False, op_offload=self._offload_ops)
+        if self._eval_fn is not None:
+            sched.set_eval_callback(self._eval_fn)
+        return sched
 
     def _forget_graph(self, g: DecoderGraph) -> None:
         """``g`` is evicted from the graph cache: the fused step must not keep its views."""
@@ -333,6 +339,15 @@ class Context:
             pos_min[s] = min(pos_min.get(s, 2**31 - 1), p)
         for s, p in sorted(pos_min.items()):
             self._kv().seq_rm(s, p, -1)
+
+    def _fail_alloc(self, err: MemoryError, tokens: Any) -> None:
+        """After a graph could not be allocated: undo the ubatch in the cache and raise (RpcServerLostError where an
+        RPC server of the context died, else DecodeError -2, llama_decode's allocation failure)."""
+        tokens = list(tokens)
+        if self._watching:
+            self.check_rpc("decode", tokens)
+        self._undo_ubatch(tokens)
+        raise DecodeError(-2, f"graph allocation failed: {err}")
 
     def _fail_compute(self, status: int, tokens: Any) -> None:
         """After a failed compute: forget the graph, undo the ubatch in the cache and raise (RpcServerLostError

@@ -12,7 +12,9 @@ buffer holds its intermediate tensors.  ggml's allocator cannot allocate a graph
 that has a data pointer for one allocated elsewhere), so a kept graph is never re-allocated: switching to it costs
 nothing, and it is the same graph a new build for its key would give, so the results are the same bytes.  The
 memory cost is one compute buffer per kept graph, sized to it (small for decode steps: activations of a few tokens
-and their logits).
+and their logits).  A context with buffers on an RPC server keeps no graphs: a new scheduler allocates on the
+server, and when a lost server fails that allocation ggml's allocator goes on with a NULL buffer (a crash), where
+the one scheduler's buffers, sized by the first steps, need no new allocation.
 """
 from __future__ import annotations
 
