@@ -234,7 +234,7 @@ class PrefixCache(MemoryOpsMixin):
     def advance(self, parts: Sequence[tuple[int, Sequence[int], bool]]) -> list[np.ndarray | None]:
         """Decode several active sequences' next tokens in one batch: ``parts`` are (seq_id, tokens, want_logits)
         for distinct sequences, each part's tokens following what its sequence holds; returns, per part, the
-        float32 [n_vocab] logits of its last token (a copy) or None.  A serving loop mixes one-token generation
+        float32 [n_vocab] logits of its last token (a row of the decode's new array) or None.  A serving loop mixes one-token generation
         steps and chunks of prompts this way.  The batch must fit n_batch; parked sequences are evicted while
         the cache has no slot for it (``DecodeError`` when none is left, nothing changed)."""
         if not parts:
@@ -265,8 +265,8 @@ class PrefixCache(MemoryOpsMixin):
             if e.clean:
                 self._append(e, c)
         self.stats.tokens_decoded += n
-        rows = iter(logits)
-        return [next(rows).copy() if w else None for w in want.tolist()]
+        rows = iter(logits)  # (the decode's own new array: its rows need no copy)
+        return [next(rows) if w else None for w in want.tolist()]
 
     def release(self, seq_id: int) -> None:
         """The request on ``seq_id`` is done: its sequence stays cached (parked) until evicted."""

@@ -212,33 +212,41 @@ class _Api:
 
     # ------------------------------------------------------------------ answers
 
-    async def events(self, p: _Prepared, request: Request) -> AsyncIterator[Event]:
-        """The job's events until its end; cancels the job when the client goes away or the task is cancelled."""
+    async def events(self, p: _Prepared, request: Request, poll: bool) -> AsyncIterator[list[Event]]:
+        """The job's events until its end, in lists of those that have arrived (a stream sends each list as one
+        write); cancels the job when the client goes away or the task is cancelled.  ``poll``: look for a gone
+        client every second (a plain request; a stream's response is cancelled by starlette when its client goes)."""
         done = False
+        queue = p.queue
         try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(p.queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return
-                    continue
-                yield ev
-                if ev.kind != "text":
-                    done = True
-                    return
+            while not done:
+                if poll:
+                    try:
+                        ev = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                else:
+                    ev = await queue.get()
+                evs = [ev]
+                while not queue.empty():
+                    evs.append(queue.get_nowait())
+                done = evs[-1].kind != "text"
+                yield evs
         finally:
             if not done:
                 self.eng.cancel(p.job)
 
     async def whole(self, p: _Prepared, request: Request) -> Response:
         text, lps, end = [], [], None
-        async for ev in self.events(p, request):
-            if ev.kind == "text":
-                text.append(ev.text)
-                lps += ev.logprobs
-            else:
-                end = ev
+        async for evs in self.events(p, request, poll=True):
+            for ev in evs:
+                if ev.kind == "text":
+                    text.append(ev.text)
+                    lps += ev.logprobs
+                else:
+                    end = ev
         if end is None:
             return Response(status_code=499)
         if end.kind == "error":
@@ -256,30 +264,37 @@ class _Api:
         return JSONResponse(body)
 
     async def stream(self, p: _Prepared, request: Request) -> AsyncIterator[str]:
-        want_lp, name, offset = p.job.top_logprobs >= 0, self.svc.model_name, 0
+        name = self.svc.model_name
         if p.chat:
             yield _sse(P.chat_chunk(p.id, p.created, name, {"role": "assistant", "content": ""}))
-        async for ev in self.events(p, request):
-            if ev.kind == "text":
-                if p.chat:
-                    yield _sse(P.chat_chunk(p.id, p.created, name, {"content": ev.text}, None,
-                                            self.chat_lps(ev.logprobs) if want_lp else None))
-                else:
-                    yield _sse(P.completion_chunk(p.id, p.created, name, ev.text, None,
-                                                  self.completion_lps(ev.logprobs, offset) if want_lp else None))
-                offset += len(ev.text)
-            elif ev.kind == "error":
-                yield _sse(P.RequestError(ev.text, status=500, type="server_error").body())
-            else:
-                if p.chat:
-                    yield _sse(P.chat_chunk(p.id, p.created, name, {}, ev.finish_reason))
-                else:
-                    yield _sse(P.completion_chunk(p.id, p.created, name, "", ev.finish_reason))
-                if p.req.stream_include_usage:
-                    u = ev.usage
-                    usage = P.usage_dict(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
-                    yield _sse(P.usage_chunk(p.id, p.created, name, usage, p.chat))
+        offset = [0]
+        async for evs in self.events(p, request, poll=False):
+            yield "".join(self.chunk(p, ev, offset) for ev in evs)  # (the events that arrived: one write)
         yield "data: [DONE]\n\n"
+
+    def chunk(self, p: _Prepared, ev: Event, offset: list[int]) -> str:
+        """The server-sent event(s) of one engine event (``offset``: the text's length so far, updated)."""
+        name, want_lp = self.svc.model_name, p.job.top_logprobs >= 0
+        if ev.kind == "text":
+            if p.chat:
+                out = _sse(P.chat_chunk(p.id, p.created, name, {"content": ev.text}, None,
+                                        self.chat_lps(ev.logprobs) if want_lp else None))
+            else:
+                out = _sse(P.completion_chunk(p.id, p.created, name, ev.text, None,
+                                              self.completion_lps(ev.logprobs, offset[0]) if want_lp else None))
+            offset[0] += len(ev.text)
+            return out
+        if ev.kind == "error":
+            return _sse(P.RequestError(ev.text, status=500, type="server_error").body())
+        if p.chat:
+            out = _sse(P.chat_chunk(p.id, p.created, name, {}, ev.finish_reason))
+        else:
+            out = _sse(P.completion_chunk(p.id, p.created, name, "", ev.finish_reason))
+        if p.req.stream_include_usage:
+            u = ev.usage
+            usage = P.usage_dict(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+            out += _sse(P.usage_chunk(p.id, p.created, name, usage, p.chat))
+        return out
 
     async def generate(self, request: Request, chat: bool) -> Response:
         try:
