@@ -400,7 +400,7 @@ def test_debug_logging(monkeypatch, caplog):
     monkeypatch.setenv("LLAMA_BATCH_DEBUG", "2")
     alloc = BatchAllocator(1)  # the first allocator reads the variable
     monkeypatch.delenv("LLAMA_BATCH_DEBUG")  # read once per process
-    assert BatchAllocator(1)._debug == 2 and read_debug_env() == 0 and BatchAllocator(1)._debug == 0
+    assert BatchAllocator(1).debug == 2 and read_debug_env() == 0 and BatchAllocator(1).debug == 0
     with caplog.at_level(logging.DEBUG, logger="kvcache_ggml.batch"):
         alloc.init(Batch(token=[1, 2], seq_id=[[0, 1], [0]]), 100, None, 4, 4, False)
         alloc.split_simple(8)

@@ -389,7 +389,7 @@ def test_mask_rows_patch_and_rebuild_match_the_full_build():
                 kv.seq_rm(step % 8, kv.seq_pos_max(step % 8), -1)
             if step == 7:
                 kv.seq_keep(2)  # many cells at once: the change log is dropped, the rows rebuilt
-    assert fast.inputs.mask_rows._blocks, "the ready rows were never used"
+    assert fast.inputs.mask_rows.held()["blocks"], "the ready rows were never used"
 
 
 @pytest.mark.parametrize("type_", ["f32", "f16"])
@@ -411,7 +411,7 @@ def test_token_rows_across_streams_match_the_full_build(type_):
     for step in range(4):
         ctxs = decode([0, 1, 2])
         same_inputs(*ctxs, type_)
-    assert fast.inputs.mask_rows._tokens is not None and fast.inputs.mask_rows._tokens.seqs == [0, 1, 2]
+    assert fast.inputs.mask_rows.held()["tokens"] == [0, 1, 2]
     both("seq_rm", 1, fast.seq_pos_max(1), -1)  # the undo of seq 1's step: its newest cell loses the sequence
     same_inputs(*ctxs, type_)                    # the same tokens again: patched, cell now -inf in row 1
     both("seq_rm", 2, 3, 9)                      # a range: row 2 rebuilt
@@ -425,7 +425,7 @@ def test_token_rows_across_streams_match_the_full_build(type_):
     same_inputs(*ctxs, type_)
     ctxs = decode([1, 2])
     same_inputs(*ctxs, type_)
-    assert fast.inputs.mask_rows._tokens.seqs == [1, 2]
+    assert fast.inputs.mask_rows.held()["tokens"] == [1, 2]
 
 
 @pytest.mark.parametrize("type_", ["f32", "f16"])
@@ -454,7 +454,7 @@ def test_token_row_of_one_sequence_matches_the_full_build(type_):
             kv.seq_rm(0, kv.seq_pos_max(0), -1)
         ctxs = decode()
         same_inputs(*ctxs, type_)
-    assert fast.inputs.mask_rows._one is not None and fast.inputs.mask_rows._one.seqs == [0]
+    assert fast.inputs.mask_rows.held()["one"] == [0]
     for kv in (fast, slow):
         kv.seq_rm(0, kv.seq_pos_max(0), -1)     # left in place: the same token's mask again
     same_inputs(*ctxs, type_)
@@ -520,8 +520,9 @@ def test_one_mask_tensor_filled_step_after_step(type_, n_seq, unified, kv_size):
             undo(300, -1)
             undo()
             check(decode())
-    rows = fast.inputs.mask_rows._one if n_seq == 1 else fast.inputs.mask_rows._tokens
-    assert (rows.last_out[0] is not None) == (n_seq == 1 or kv_size == 256), "the byte copy served (only) one span"
+    held = fast.inputs.mask_rows.held()
+    copy = held["one_copy"] if n_seq == 1 else held["tokens_copy"]
+    assert copy == (n_seq == 1 or kv_size == 256), "the byte copy served (only) one span"
 
 
 @pytest.mark.parametrize("unified", [True, False])
@@ -536,7 +537,7 @@ def test_decode_step_takes_the_fast_paths(unified):
     ba = BatchAllocator(1)
     ba.init(Batch(token=np.full(4, 3, np.int32), seq_id=np.arange(4, dtype=np.int32)), N_VOCAB, kv, 16, 4, False)
     ctx = kv.init_batch(ba, 512)
-    assert ba._grp is None and ba._gorder is None  # committed by init_decode, split without groups
+    assert not ba.has_split_groups()  # committed by init_decode, split without groups
     assert ba.get_out_ids().tolist() == [3] and not ba.out_ids_in_order()  # only the last token is an output
     every = BatchAllocator(1)
     every.init(Batch(token=np.full(4, 3, np.int32), pos=np.full(4, 5, np.int32), seq_id=np.arange(4, dtype=np.int32),
@@ -547,7 +548,7 @@ def test_decode_step_takes_the_fast_paths(unified):
     ub = ctx.get_ubatch()
     assert not ub.seq_id.flags.writeable and not ub.seq_idx.flags.writeable  # the shared per-set arrays
     ctx.kq_mask()
-    assert kv.inputs.mask_rows._blocks
+    assert kv.inputs.mask_rows.held()["blocks"]
     for s in range(4):
         cells = kv.v_cells[kv.book.stream_of[s]]
         assert cells.seq_rm_last(s, 5, 2**31 - 1) is not None

@@ -71,7 +71,7 @@ def test_eviction_keeps_the_results_and_the_limit(model):
         for w, g in zip(serve_like(plain), serve_like(kept)):
             assert np.array_equal(w, g)
         assert kept.times.n_graph_kept > 0
-        assert len(kept._graphs) == 2  # noqa: SLF001 -- the cache's size is what is tested
+        assert len(kept.kept_graphs) == 2
 
 
 def test_large_graphs_are_not_kept_and_callbacks_reach_kept_graphs(model):
@@ -86,6 +86,6 @@ def test_large_graphs_are_not_kept_and_callbacks_reach_kept_graphs(model):
         ctx.decode(Batch(token=toks[:2]))           # a kept graph: the callback still sees its nodes
         assert len(seen) > n
         assert ctx.times.n_graph_kept == 1
-        assert [k.n_tokens for k in ctx._graphs.keys()] == [1, 2]  # noqa: SLF001
+        assert [k.n_tokens for k in ctx.kept_graphs] == [1, 2]
     with pytest.raises(ValueError, match="graph_cache must be >= 0"):
         Context(model, graph_cache=-1)

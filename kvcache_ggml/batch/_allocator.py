@@ -401,6 +401,16 @@ class BatchAllocator(BatchSplitter, DecodeInit):
 
     # ------------------------------------------------------------------------------------------------ getters
 
+    @property
+    def debug(self) -> int:
+        """LLAMA_BATCH_DEBUG as read when the allocator was made (0: no logging; 1: each batch; 2: and its tokens)."""
+        return self._debug
+
+    def has_split_groups(self) -> bool:
+        """Whether the current batch has its sequence groups built (the general split's); a batch committed by the
+        decode fast path has none until a split needs them."""
+        return self._grp is not None or self._gorder is not None
+
     def get_batch(self) -> Batch:
         """The batch with every field filled in (positions, sequence ids, output flags)."""
         self._require_batch("get_batch")

@@ -323,6 +323,17 @@ class MaskRows:
         self._one: _TokenRows | None = None               # the row of the last write_one's token
         self._tokens: _TokenRows | None = None            # the rows of the last multi-stream write's tokens
 
+    def held(self) -> dict:
+        """What the ready rows hold now (tests and notebooks: which paths served): ``blocks`` -- (stream, mask type)
+        pairs with rows; ``one`` and ``tokens`` -- the sequences of the kept token rows of the last one-token write
+        and of the last multi-stream write (None: none), and whether their next write to the same mask is a byte
+        copy (``one_copy``, ``tokens_copy``)."""
+        one, tok = self._one, self._tokens
+        return {"blocks": sorted((s, np.dtype(t).name) for s, t in self._blocks),
+                "one": None if one is None else list(one.seqs), "one_copy": one is not None and
+                one.last_out[0] is not None, "tokens": None if tok is None else list(tok.seqs),
+                "tokens_copy": tok is not None and tok.last_out[0] is not None}
+
     def write_one(self, rows: np.ndarray, seq_id: int, p1: int, causal: bool) -> bool:
         """Fill the mask ``rows`` [1, n_kv] (float32 or float16) of one token of ``seq_id`` at position ``p1``."""
         one = self._one  # (the same sequence and type step after step: its row patched from the log, one copy)

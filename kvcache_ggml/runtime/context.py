@@ -548,6 +548,11 @@ class Context:
         return self._prev
 
     @property
+    def kept_graphs(self) -> list:
+        """The keys of the graphs kept per shape (GraphCache), least recently used first.  For inspection."""
+        return [] if self._graphs is None else self._graphs.keys()
+
+    @property
     def lost(self) -> G.RpcServerLostError | None:
         """Why this context cannot compute any more (an RPC server of its weights or cache died), or None."""
         return self._lost
