@@ -1,0 +1,299 @@
+"""Serving, side by side: ``python -m kvcache_ggml serve`` against llama.cpp's own ``llama-server``.
+
+    python benchmarks/bench_serve.py [--users 1 4 8] [--turns 3] [--runs 3] [--system 300] [--reply 32]
+
+Both servers run the same GGUF -- a 4-layer llama (n_embd 256) with GPT-2's vocabulary, Q8_0 matrices and a ChatML
+template, made here with the project's model maker -- with the same context, parallel slots, threads, batch sizes,
+unified KV cache and flash attention; llama-server keeps its prompt caching at its defaults (``cache_prompt``,
+``--cache-ram``), renders the template with ``--jinja`` and returns the reply as plain content
+(``--skip-chat-parsing``, as ours: its reasoning and tool-call parser fails on a random model's text); ours has a
+1 GiB host tier (``--host-cache-mib``).  llama-server is the one scripts/build_reference.sh
+--server builds (from the llama-cpp-python 0.3.17 source package the reference comes from); without it only our
+rows are printed.
+
+The workload is a chat through the HTTP API with streaming: U users at once, T turns each, every request carrying
+the whole history (a shared system prompt of ``--system`` tokens, the user's messages, the replies so far);
+``ignore_eos`` and greedy decoding make every reply ``--reply`` tokens long on both servers, and a ``logit_bias``
+bans the tokens that are not UTF-8 text on their own (llama-server's chat parser refuses a reply of invalid UTF-8,
+which a random model writes).  Per configuration:
+
+* output tokens/s -- completion tokens of all requests over the wall time of the run;
+* TTFT p50/p90 -- from sending a request to its first non-empty content chunk;
+* prompt tokens computed -- llama-server's ``timings.prompt_n``, ours ``prompt_tokens - cached_tokens``; beside the
+  ideal: each prompt's tokens less its longest common prefix with any earlier prompt of the run (every shared
+  prefix reused), token ids from the model's vocabulary.
+
+The median of ``--runs`` runs is printed (each run starts both servers afresh, so caches start empty).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "oracle"))
+sys.path.insert(0, str(ROOT / "tests"))
+from llama_runner import LLAMA_SERVER  # noqa: E402  (the one place naming the reference)
+from serve_helpers import CHATML, GPT2_VOCAB  # noqa: E402
+
+WORDS = ("weather city river mountain forecast rain sun cloud storm wind cold warm north south morning evening "
+         "question answer detail report season summer winter spring autumn coast valley forest desert").split()
+
+
+@dataclass(slots=True)
+class Sample:
+    """One request of a run."""
+
+    user: int                # who sent it
+    turn: int                # which turn
+    ttft: float              # seconds to the first non-empty content chunk
+    seconds: float           # seconds to the end of the stream
+    completion: int          # completion tokens
+    prompt: int              # prompt tokens
+    computed: int            # prompt tokens the server decoded
+    sent: float              # perf_counter when it was sent
+    messages: list           # the request's messages (the whole history)
+
+
+@dataclass(slots=True)
+class Run:
+    """One run of the workload on one server."""
+
+    samples: list[Sample] = field(default_factory=list)
+    wall: float = 0.0        # seconds from the first request to the last answer
+    errors: list[str] = field(default_factory=list)
+
+
+def make_bench_model(path: Path) -> Path:
+    from kvcache_ggml.runtime.modelmaker import make_model
+    if not path.exists():
+        make_model(path, layers=4, embd=256, heads=8, heads_kv=4, ff=768, seed=11, type="q8_0",
+                   vocab_from=str(GPT2_VOCAB), chat_template=CHATML, ctx=16384)
+    return path
+
+
+def text_of(rng: np.random.Generator, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS, n_words))
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_cmd(kind: str, model: Path, port: int, a: argparse.Namespace, users: int) -> list[str]:
+    common = ["-c", str(a.n_ctx), "-np", str(users), "-t", str(a.threads), "-b", str(a.batch), "-ub", str(a.ubatch),
+              "-fa", "on", "-kvu", "--host", "127.0.0.1", "--port", str(port)]
+    if kind == "ours":
+        return [sys.executable, "-m", "kvcache_ggml", "serve", "--model", str(model), "--alias", "bench",
+                "--host-cache-mib", "1024", *common]
+    # --skip-chat-parsing: the reply is plain content, as ours (no reasoning or tool-call parsing, which fails on a
+    # random model's text: "Failed to parse input")
+    return [str(LLAMA_SERVER), "-m", str(model), "--alias", "bench", "--jinja", "--skip-chat-parsing", "--no-webui",
+            *common]
+
+
+def partial_utf8_tokens(model: Path) -> dict[str, float]:
+    """logit_bias banning the tokens whose bytes are not UTF-8 text on their own (344 of GPT-2's): a random model
+    strings them into invalid UTF-8, which llama-server's chat parser refuses ("Failed to parse input") even with
+    --skip-chat-parsing; both servers get the same bias."""
+    from kvcache_ggml.runtime.tokenizer import Vocab
+    vocab = Vocab.from_gguf(model)
+    bad = {}
+    for t in range(len(vocab.tokens)):
+        try:
+            vocab.token_to_piece(t).decode("utf-8")
+        except UnicodeDecodeError:
+            bad[str(t)] = -100.0
+    return bad
+
+
+def run_workload(url: str, users: int, a: argparse.Namespace, seed: int, bias: dict[str, float]) -> Run:
+    import openai
+
+    rng = np.random.default_rng(seed)
+    system = text_of(rng, a.system)
+    messages = [[text_of(rng, int(rng.integers(15, 40))) for _ in range(a.turns)] for _ in range(users)]
+    run = Run()
+    lock = threading.Lock()
+
+    def user(u: int) -> None:
+        cl = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        history = [{"role": "system", "content": system}]
+        for t in range(a.turns):
+            history.append({"role": "user", "content": messages[u][t]})
+            t0 = time.perf_counter()
+            ttft, parts, usage, timings = 0.0, [], None, None
+            try:
+                stream = cl.chat.completions.create(model="bench", messages=history, max_tokens=a.reply,
+                                                    temperature=0, stream=True, logit_bias=bias,
+                                                    stream_options={"include_usage": True},
+                                                    extra_body={"ignore_eos": True})
+                for ch in stream:
+                    if ch.choices and ch.choices[0].delta.content:
+                        if not ttft:
+                            ttft = time.perf_counter() - t0
+                        parts.append(ch.choices[0].delta.content)
+                    usage = ch.usage or usage
+                    timings = (ch.model_extra or {}).get("timings") or timings
+            except Exception as e:  # noqa: BLE001 -- reported, the run goes on
+                with lock:
+                    run.errors.append(f"user {u} turn {t}: {e}")
+                return
+            seconds = time.perf_counter() - t0
+            cached = (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
+            computed = int(timings["prompt_n"]) if timings else usage.prompt_tokens - cached
+            with lock:
+                run.samples.append(Sample(u, t, ttft or seconds, seconds, usage.completion_tokens,
+                                          usage.prompt_tokens, computed, t0, list(history)))
+            history.append({"role": "assistant", "content": "".join(parts)})
+
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    run.wall = time.perf_counter() - t0
+    return run
+
+
+def ideal_computed(model: Path, run: Run) -> int:
+    """Prompt tokens to compute if every prefix shared with an earlier prompt of the run were reused: each prompt's
+    tokens less its longest common prefix with any prompt sent before it (at least its last token)."""
+    from kvcache_ggml._gguf import GGUFFile
+    from kvcache_ggml.runtime.tokenizer import Vocab
+    from kvcache_ggml.serve.chat import ChatTemplate
+
+    kv = GGUFFile(model).kv
+    vocab = Vocab.from_kv(kv)
+    tmpl = ChatTemplate.from_gguf_kv(kv, vocab)
+    seen: list[np.ndarray] = []
+    total = 0
+    for smp in sorted(run.samples, key=lambda x: x.sent):
+        toks = np.array(vocab.tokenize(tmpl.render(smp.messages), add_special=True, parse_special=True))
+        best = 0
+        for prev in seen:
+            m = min(prev.size, toks.size)
+            neq = np.flatnonzero(prev[:m] != toks[:m])
+            best = max(best, int(neq[0]) if neq.size else m)
+        total += toks.size - min(best, toks.size - 1)
+        seen.append(toks)
+    return total
+
+
+def one(kind: str, model: Path, users: int, a: argparse.Namespace, seed: int, log: Path,
+        bias: dict[str, float]) -> Run:
+    port = free_port()
+    cmd = server_cmd(kind, model, port, a, users)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(f"http://127.0.0.1:{port}", proc)
+            return run_workload(f"http://127.0.0.1:{port}", users, a, seed, bias)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def summary(runs: list[Run], model: Path) -> dict[str, float]:
+    runs = [r for r in runs if r.samples]  # (a run whose every request failed has nothing to count)
+    if not runs:
+        return {k: float("nan") for k in ("tok/s", "ttft50", "ttft90", "computed", "prompt", "requests", "ideal")}
+
+    def med(f):
+        return statistics.median(f(r) for r in runs)
+    return {
+        "tok/s": med(lambda r: sum(s.completion for s in r.samples) / r.wall),
+        "ttft50": med(lambda r: float(np.percentile([s.ttft for s in r.samples], 50))),
+        "ttft90": med(lambda r: float(np.percentile([s.ttft for s in r.samples], 90))),
+        "computed": med(lambda r: sum(s.computed for s in r.samples)),
+        "prompt": med(lambda r: sum(s.prompt for s in r.samples)),
+        "requests": med(lambda r: len(r.samples)),
+        "ideal": med(lambda r: ideal_computed(model, r)),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--system", type=int, default=300, help="words of the shared system prompt (about 1 token each)")
+    ap.add_argument("--reply", type=int, default=32, help="tokens per reply")
+    ap.add_argument("--n-ctx", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
+    ap.add_argument("--only", choices=("ours", "llama"), default=None)
+    ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "kvcache_bench_serve.gguf")
+    a = ap.parse_args()
+    model = make_bench_model(a.model)
+    kinds = [k for k in ("ours", "llama") if a.only in (None, k)]
+    if "llama" in kinds and not LLAMA_SERVER.exists():
+        print(f"({LLAMA_SERVER} missing: bash scripts/build_reference.sh --server; our rows only)")
+        kinds.remove("llama")
+    log = Path(tempfile.gettempdir()) / "bench_serve.log"
+    bias = partial_utf8_tokens(model)
+    print(f"model {model.name}: 4 layers, n_embd 256, Q8_0, GPT-2 vocabulary; n_ctx {a.n_ctx}, -b {a.batch} "
+          f"-ub {a.ubatch} -t {a.threads} -fa on -kvu; {a.turns} turns, system ~{a.system} tokens, replies "
+          f"{a.reply} tokens; median of {a.runs} runs; servers' output in {log}")
+    for kind in kinds:
+        print(f"  {kind:>5}: {' '.join(server_cmd(kind, model, 0, a, 0)).replace(' -np 0', ' -np U').replace(' --port 0', '')}")
+    print(f"{'users':>5} {'server':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'computed':>9} {'ideal':>7} "
+          f"{'prompt':>7} {'req':>4}")
+    for users in a.users:
+        rows = {}
+        for kind in kinds:
+            runs = []
+            for r in range(a.runs):
+                run = one(kind, model, users, a, seed=100 + r, log=log, bias=bias)
+                if run.errors:
+                    print(f"  {kind}: {len(run.errors)} errors, e.g. {run.errors[0]}")
+                runs.append(run)
+            rows[kind] = summary(runs, model)
+            s = rows[kind]
+            print(f"{users:>5} {kind:>6} {s['tok/s']:>8.1f} {s['ttft50'] * 1e3:>7.0f}ms {s['ttft90'] * 1e3:>7.0f}ms "
+                  f"{s['computed']:>9.0f} {s['ideal']:>7.0f} {s['prompt']:>7.0f} "
+                  f"{s['requests']:>4.0f}", flush=True)
+        if len(rows) == 2:
+            o, l = rows["ours"], rows["llama"]
+            print(f"{users:>5} {'ratio':>6} {o['tok/s'] / l['tok/s']:>7.2f}x {o['ttft50'] / l['ttft50']:>8.2f}x "
+                  f"{o['ttft90'] / l['ttft90']:>8.2f}x {o['computed'] / max(l['computed'], 1):>8.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
