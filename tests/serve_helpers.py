@@ -42,7 +42,7 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         t0 = time.monotonic()
-        while not self.server.started:
+        while not self.server.started or not self.engine.ready.is_set():  # (/health answers 503 until then)
             if not self.thread.is_alive() or time.monotonic() - t0 > 60:
                 raise RuntimeError("the server did not start")
             time.sleep(0.02)

@@ -84,6 +84,7 @@ class _Prepared:
 def make_app(svc: Service) -> Starlette:
     """The ASGI app over ``svc`` (the engine is started and stopped with the app's lifespan)."""
     api = _Api(svc)
+    api.warm_up()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -114,6 +115,21 @@ class _Api:
         self.n_vocab = len(vocab.tokens)
         # the end-of-generation ids (ignore_eos masks them), found once
         self.eog = np.array([t for t in range(self.n_vocab) if vocab.is_eog(t)], np.int32)
+
+    def warm_up(self) -> None:
+        """Run the text side once -- parsing, the chat template, the tokenizer, a chunk's JSON -- so that the first
+        request does not pay their first-call costs (the tokenizer's and jinja's caches, lazy imports): on a cold
+        server they added about 25 ms to the first request's time to first token."""
+        msgs = [{"role": "user", "content": "Hello, world."}]
+        body = {"model": self.svc.model_name, "messages": msgs, "prompt": "Hello", "stream": True, "max_tokens": 1}
+        self.prompt_tokens(P.parse_completion(body), chat=False)
+        if self.svc.template is not None:
+            try:
+                self.prompt_tokens(P.parse_chat(body), chat=True)
+            except P.RequestError:
+                pass  # (a template that refuses this conversation: it is warmed as far as it goes)
+        self.vocab.detokenize(self.vocab.tokenize("Hello, world.", add_special=False))
+        _sse(P.chat_chunk("chatcmpl-0", 0, self.svc.model_name, {"content": "Hello"}))
 
     # ------------------------------------------------------------------ reading a request
 
@@ -317,6 +333,9 @@ class _Api:
         return await self.generate(request, chat=True)
 
     async def health(self, request: Request) -> Response:
+        if not self.eng.ready.is_set():  # (llama-server's answer while it loads and warms up)
+            return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:

@@ -44,6 +44,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running ones before 503")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default %(default)s)")
     ap.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body, MiB (default %(default)s)")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="skip the warm-up decode at start (as llama-server's --no-warmup)")
     a = ap.parse_args(argv)
     for name in ("parallel", "n_ctx", "batch", "ubatch", "threads"):
         if getattr(a, name) < 1:
@@ -82,7 +84,8 @@ def open_service(a: argparse.Namespace):
         raise
     try:
         prefix = PrefixParams(host=HostParams(budget=a.host_cache_mib << 20))
-        engine = Engine(ctx, vocab, EngineParams(n_parallel=a.parallel, max_queue=a.max_queue, timeout=a.timeout),
+        engine = Engine(ctx, vocab, EngineParams(n_parallel=a.parallel, max_queue=a.max_queue, timeout=a.timeout,
+                                                   warmup=a.warmup),
                         prefix)
         svc = Service(engine, vocab, a.alias or a.model.stem, ChatTemplate.from_gguf_kv(model.gguf_kv, vocab),
                       api_key=a.api_key, max_body=int(a.max_body_mib * (1 << 20)), created=int(time.time()))

@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..batch import Batch
 from ..prefix import PrefixCache, PrefixParams
 from ..runtime.context import DecodeError
 from .sampling import Sampler
@@ -69,6 +70,9 @@ class EngineParams:
     step_tokens: int = 0           # token budget of one step (0: the context's n_batch)
     max_queue: int = 64            # requests waiting for admission; one more gets QueueFull
     timeout: float = 600.0         # seconds from submission to the last token; then the request ends ("length")
+    warmup: bool = True            # the engine thread first decodes a graph-sized batch and one token, then clears
+    #                                the cache (llama.cpp's warm-up): buffers allocated before the first request, and
+    #                                on the thread that computes (ggml's OpenMP team is per calling thread)
 
     def check(self, n_seq: int, n_batch: int) -> None:
         if not 1 <= self.n_parallel <= n_seq:
@@ -156,6 +160,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._n_admitted = 0
+        self.ready = threading.Event()         # set once the engine thread has warmed up and takes requests
 
     # ------------------------------------------------------------------ caller side (any thread)
 
@@ -215,7 +220,24 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
+    def warm_up(self) -> None:
+        """Decode a batch as large as a graph takes and one token, then clear the cache (on the calling thread: the
+        engine thread calls it first when ``warmup`` is set).  Nothing may be running."""
+        assert not self._running and not self.prefix.seqs, "warm_up() before any request"
+        ctx, vocab = self.ctx, self.vocab
+        tok = vocab.bos if vocab.bos >= 0 else 0
+        n = min(int(ctx.cparams.n_ubatch), self.budget, self.n_ctx_seq - 1)
+        ctx.decode(Batch(token=np.full(n, tok, np.int32)))
+        ctx.decode(Batch(token=np.array([tok], np.int32)))
+        ctx.memory_clear(True)
+
     def _loop(self) -> None:
+        if self.params.warmup:
+            try:
+                self.warm_up()
+            except Exception:  # noqa: BLE001 -- a failed warm-up leaves the first request to pay; it is not fatal
+                self.ctx.memory_clear(True)
+        self.ready.set()
         while True:
             with self._cv:
                 while not self._stop and not self._inbox and not self._waiting and not self._running:
