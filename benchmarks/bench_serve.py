@@ -23,7 +23,8 @@ which a random model writes).  Per configuration:
   ideal: each prompt's tokens less its longest common prefix with any earlier prompt of the run (every shared
   prefix reused), token ids from the model's vocabulary.
 
-The median of ``--runs`` runs is printed (each run starts both servers afresh, so caches start empty).
+The median of ``--runs`` runs is printed (each run starts both servers afresh, so caches start empty; one short
+request warms each server before the timed part, and ``/health`` is 200 on both only once they have warmed up).
 """
 from __future__ import annotations
 
@@ -136,6 +137,17 @@ def partial_utf8_tokens(model: Path) -> dict[str, float]:
     return bad
 
 
+def warm_request(url: str, bias: dict[str, float]) -> None:
+    """One short chat request before the timed run, on both servers: a server's first request pays one-time costs
+    (ours: lazy imports and first calls of the HTTP stack, about 15 ms) that a serving benchmark should not count;
+    its prompt shares nothing with the workload's."""
+    import openai
+    cl = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    for _ in cl.chat.completions.create(model="bench", messages=[{"role": "user", "content": "Warm up."}],
+                                        max_tokens=2, temperature=0, stream=True, logit_bias=bias):
+        pass
+
+
 def run_workload(url: str, users: int, a: argparse.Namespace, seed: int, bias: dict[str, float]) -> Run:
     import openai
 
@@ -218,6 +230,7 @@ def one(kind: str, model: Path, users: int, a: argparse.Namespace, seed: int, lo
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_ready(f"http://127.0.0.1:{port}", proc)
+            warm_request(f"http://127.0.0.1:{port}", bias)
             return run_workload(f"http://127.0.0.1:{port}", users, a, seed, bias)
         finally:
             proc.terminate()
