@@ -72,6 +72,17 @@ class Collect:
         return [t for e in self.events if e.kind == "text" for t in e.tokens]
 
 
+def serve_all(eng, vocab, ps, n):
+    """Submit one greedy job of ``n`` tokens per prompt, run the engine until idle; the jobs' sinks."""
+    sinks = []
+    for p in ps:
+        j, s = job(vocab, p, n)
+        eng.submit(j)
+        sinks.append(s)
+    eng.run_until_idle()
+    return sinks
+
+
 def job(vocab, prompt, n, **sp):
     sink = Collect()
     p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **sp)
@@ -124,12 +135,7 @@ def test_chunked_prefill_gives_each_prompt_its_tokens_alone(model):
     refs = [alone(model, p, 6)[0] for p in ps]
     with Context(model, params()) as ctx:
         eng = Engine(ctx, vocab, EngineParams(n_parallel=4, step_tokens=16))
-        sinks = []
-        for p in ps:
-            j, s = job(vocab, p, 6)
-            eng.submit(j)
-            sinks.append(s)
-        eng.run_until_idle()
+        sinks = serve_all(eng, vocab, ps, 6)
         for s, ref in zip(sinks, refs):
             assert s.done.finish_reason == "length" and s.tokens == ref
         # 6 + 6 + 40 + 40 prompt tokens at <= 16 a step, the first token of each request with its last chunk
@@ -160,12 +166,7 @@ def test_a_full_cache_ends_requests_with_length_and_never_crashes(model):
     vocab = Vocab.from_kv(model.gguf_kv)
     with Context(model, params(n_ctx=64, n_seq=3, n_batch=64)) as ctx:
         eng = Engine(ctx, vocab, EngineParams(n_parallel=3))
-        sinks = []
-        for p in prompts(3, 12, seed=5):
-            j, s = job(vocab, p, None)
-            eng.submit(j)
-            sinks.append(s)
-        eng.run_until_idle()
+        sinks = serve_all(eng, vocab, prompts(3, 12, seed=5), None)
         reasons = [s.done.finish_reason for s in sinks]
         assert reasons.count("length") == 3 and eng.stats.ended_full >= 1
         assert all(s.done.kind == "done" for s in sinks)
@@ -203,12 +204,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(model):
     refs = [alone(model, p, 3)[0] for p in ps]
     with Context(model, params()) as ctx:
         eng = Engine(ctx, vocab, EngineParams(n_parallel=4, step_tokens=16))
-        sinks = []
-        for p in ps:
-            j, s = job(vocab, p, 3)
-            eng.submit(j)
-            sinks.append(s)
-        eng.run_until_idle()
+        sinks = serve_all(eng, vocab, ps, 3)
         assert eng.stats.computed_tokens == 60 + 4 * 10
         assert [s.done.usage["cached_tokens"] for s in sinks] == [0, 60, 60, 60]
         assert [s.tokens for s in sinks] == refs
