@@ -209,3 +209,16 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(model):
         assert [s.done.usage["cached_tokens"] for s in sinks] == [0, 60, 60, 60]
         assert [s.tokens for s in sinks] == refs
         check(eng.prefix)
+
+
+def test_a_request_past_its_deadline_in_the_queue_gets_an_error(model):
+    """``timeout``: requests still waiting when their deadline has passed end with an error event, running ones
+    are not started; nothing stays in the cells."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=1, timeout=1e-9))
+        sinks = serve_all(eng, vocab, prompts(2, 8, seed=9), 4)
+        assert [s.done.kind for s in sinks] == ["error", "error"]
+        assert all("timed out" in s.done.text for s in sinks)
+        assert eng.stats.requests_failed == 2 and eng.stats.computed_tokens == 0
+        assert sum(c.get_used() for c in ctx.kv.v_cells) == 0

@@ -273,3 +273,16 @@ def test_serve_command_starts_and_stops_on_sigterm(model_path):
             p.kill()
             p.wait()
 
+
+
+def test_stop_string_ends_the_text_before_it(server):
+    """A stop string taken from the middle of the greedy text: the answer is the text before it, finish_reason
+    "stop", and no part of it reaches a stream."""
+    cl = server.client()
+    full = complete(cl, "Stop strings are cut here", 12).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    want = full[:full.index(stop)]
+    r = complete(cl, "Stop strings are cut here", 12, stop=[stop])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(complete(cl, "Stop strings are cut here", 12, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
