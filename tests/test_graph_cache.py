@@ -87,5 +87,7 @@ def test_large_graphs_are_not_kept_and_callbacks_reach_kept_graphs(model):
         assert len(seen) > n
         assert ctx.times.n_graph_kept == 1
         assert [k.n_tokens for k in ctx.kept_graphs] == [1, 2]
+        nodes = ctx.node_backends()  # asked of the kept graph's own scheduler
+        assert nodes and {backend for _, _, backend in nodes} == {"CPU"}
     with pytest.raises(ValueError, match="graph_cache must be >= 0"):
         Context(model, graph_cache=-1)

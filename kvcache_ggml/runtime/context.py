@@ -430,8 +430,8 @@ class Context:
         if g is None:
             return []
         out = []
-        for t in g.graph.nodes():
-            be = self._sched.tensor_backend(t)
+        for t in g.graph.nodes():  # (in the scheduler the graph is allocated in: a kept graph has its own)
+            be = G.ggml_backend_sched_get_tensor_backend(g.sched, t) or 0
             out.append((G.name(t), G.op(t).name, G.ggml_backend_name(be).decode() if be else ""))
         return out
 
