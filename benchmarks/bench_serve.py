@@ -284,7 +284,8 @@ def main() -> int:
           f"-ub {a.ubatch} -t {a.threads} -fa on -kvu; {a.turns} turns, system ~{a.system} tokens, replies "
           f"{a.reply} tokens; median of {a.runs} runs; servers' output in {log}")
     for kind in kinds:
-        print(f"  {kind:>5}: {' '.join(server_cmd(kind, model, 0, a, 0)).replace(' -np 0', ' -np U').replace(' --port 0', '')}")
+        cmd = " ".join(server_cmd(kind, model, 0, a, 0)).replace(" -np 0", " -np U").replace(" --port 0", "")
+        print(f"  {kind:>5}: {cmd}")
     print(f"{'users':>5} {'server':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'computed':>9} {'ideal':>7} "
           f"{'prompt':>7} {'req':>4}")
     for users in a.users:

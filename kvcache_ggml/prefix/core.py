@@ -234,9 +234,9 @@ class PrefixCache(MemoryOpsMixin):
     def advance(self, parts: Sequence[tuple[int, Sequence[int], bool]]) -> list[np.ndarray | None]:
         """Decode several active sequences' next tokens in one batch: ``parts`` are (seq_id, tokens, want_logits)
         for distinct sequences, each part's tokens following what its sequence holds; returns, per part, the
-        float32 [n_vocab] logits of its last token (a row of the decode's new array) or None.  A serving loop mixes one-token generation
-        steps and chunks of prompts this way.  The batch must fit n_batch; parked sequences are evicted while
-        the cache has no slot for it (``DecodeError`` when none is left, nothing changed)."""
+        float32 [n_vocab] logits of its last token (a row of the decode's new array) or None.  A serving loop mixes
+        one-token generation steps and chunks of prompts this way.  The batch must fit n_batch; parked sequences are
+        evicted while the cache has no slot for it (``DecodeError`` when none is left, nothing changed)."""
         if not parts:
             raise ValueError("advance needs at least one part")
         entries, chunks = [], []

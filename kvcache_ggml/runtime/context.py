@@ -2,9 +2,10 @@
 
 ``Context(model, params)`` resolves the parameters (:class:`RuntimeParams` -> ``CParams``), creates the KV cache
 (``v_trans = not flash_attn``, ``kv_size = n_ctx_seq``), a backend scheduler over the devices holding the model
-(CPU last), one graph context reused across steps and the small graphs kept per shape (:mod:`.graph_cache`).  :meth:`Context.decode` follows ``llama_decode``: validate
-and auto-fill the batch, apply pending memory updates (stream copies, K-shift), split and place the ubatches, then
-per ubatch ``apply()`` and one ggml graph; the logits of the output tokens come back in batch order.
+(CPU last), one graph context reused across steps and the small graphs kept per shape (:mod:`.graph_cache`).
+:meth:`Context.decode` follows ``llama_decode``: validate and auto-fill the batch, apply pending memory updates
+(stream copies, K-shift), split and place the ubatches, then per ubatch ``apply()`` and one ggml graph; the logits
+of the output tokens come back in batch order.
 
 Host time is accounted per phase in :class:`StepTimes` (batch validation and splits, cache bookkeeping, memory
 updates, input setting, graph build, compute).

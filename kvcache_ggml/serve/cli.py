@@ -32,7 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="sequences beyond --parallel for cached conversations (default: --parallel with "
                          "--kv-unified, else 0)")
     ap.add_argument("--n-ctx", "-c", type=int, default=4096, help="context size, all sequences (default %(default)s)")
-    ap.add_argument("--batch", "-b", type=int, default=2048, help="tokens per step, the token budget (default %(default)s)")
+    ap.add_argument("--batch", "-b", type=int, default=2048,
+                    help="tokens per step, the token budget (default %(default)s)")
     ap.add_argument("--ubatch", "-ub", type=int, default=512, help="tokens per graph (default %(default)s)")
     ap.add_argument("--kv-unified", "-kvu", action="store_true", help="one cache shared by all sequences")
     ap.add_argument("--flash-attn", "-fa", choices=("on", "off"), default="on", help="flash attention (default on)")
