@@ -72,13 +72,12 @@ def _sse(obj: Any) -> str:
 class _Prepared:
     """A parsed request turned into a job, and what its answer needs."""
 
-    __slots__ = ("chat", "req", "job", "queue", "id", "created", "n_prompt", "text_sse")
+    __slots__ = ("chat", "req", "job", "queue", "id", "created", "text_sse")
 
     def __init__(self, chat: bool, req: Any, job: Job, queue: asyncio.Queue, model: str) -> None:
         self.chat, self.req, self.job, self.queue = chat, req, job, queue
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.n_prompt = int(job.tokens.size)
         # a text chunk without logprobs, as the builders write it, with the text's JSON string in the middle: one
         # string join per token instead of a dict and a json.dumps of it (the event loop shares 2 cores with ggml)
         probe = "\u0000"

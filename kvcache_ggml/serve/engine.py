@@ -109,7 +109,6 @@ class Job:
     max_tokens: int | None = None          # most tokens to generate (None: until the context is full)
     cache_prompt: bool = True              # keep its sequence in the prefix cache when done
     top_logprobs: int = -1                 # -1: no logprobs; k >= 0: the sampled token's and the k best
-    name: str = ""                         # a label
     cancelled: bool = False                # set by the caller (any thread) to end it
     # ---- engine state
     seq: int = -1                          # its sequence once admitted
@@ -373,13 +372,12 @@ class Engine:
         if not job.t_first:
             job.t_first = _perf()
         self.stats.generated_tokens += 1
+        if self.vocab.is_eog(tok) and not job.sampler.params.ignore_eos:
+            self._finish(job, "stop")  # (the end token is not output: no text, no logprob)
+            return
         if job.top_logprobs >= 0:
             lp, top = job.sampler.logprobs(logits, tok, job.top_logprobs)
             job.pending_lp.append({"id": tok, "logprob": lp, "top": top})
-        if self.vocab.is_eog(tok) and not job.sampler.params.ignore_eos:
-            job.pending_lp = job.pending_lp[:-1] if job.top_logprobs >= 0 else job.pending_lp
-            self._finish(job, "stop")
-            return
         job.sampler.accept(tok)
         job.generated.append(tok)
         job.pending.append(tok)
