@@ -885,8 +885,8 @@ def stage_project(venv: Path, stamp: dict, extras: tuple[str, ...]) -> dict:
     return stamp
 
 
-FASTCALLS_SRC = ROOT / "kvcache_ggml" / "_ggml" / "_fastcalls.py"
-FASTCALLS_TABLE = ROOT / "kvcache_ggml" / "_ggml" / "_lib.py"
+FASTCALLS_SRC = ROOT / "kvcache_ggml" / "ggml" / "_fastcalls.py"
+FASTCALLS_TABLE = ROOT / "kvcache_ggml" / "ggml" / "_lib.py"
 
 
 def fastcalls_key(stamp: dict) -> dict:
@@ -900,15 +900,15 @@ def fastcalls_present(venv: Path) -> bool:
 
 
 def stage_fastcalls(venv: Path, stamp: dict, env: dict[str, str] | None = None) -> dict:
-    """The compiled wrappers of the graph builders' C calls (cffi's API mode, kvcache_ggml/_ggml/_fastcalls.py).
+    """The compiled wrappers of the graph builders' C calls (cffi's API mode, kvcache_ggml/ggml/_fastcalls.py).
     Optional: when they cannot be built (no cffi, compiler or Python headers) the package calls through ctypes; the
     failure is recorded and not retried until something it depends on changes."""
     key = fastcalls_key(stamp)
     done = stamp.get("fastcalls") or {}
     if done.get("key") == key and (fastcalls_present(venv) or done.get("failed")):
         return stamp
-    say("compiling the graph builders' C calls with cffi (kvcache_ggml/_ggml/_fastcalls.py)")
-    proc = subprocess.run([str(venv_python(venv)), "-c", "from kvcache_ggml._ggml._fastcalls import build; print(build())"],
+    say("compiling the graph builders' C calls with cffi (kvcache_ggml/ggml/_fastcalls.py)")
+    proc = subprocess.run([str(venv_python(venv)), "-c", "from kvcache_ggml.ggml._fastcalls import build; print(build())"],
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     failed = proc.returncode != 0
     if failed:

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcache_ggml import _ggml as G  # noqa: E402
+from kvcache_ggml import ggml as G  # noqa: E402
 from kvcache_ggml.cache import UpdateContext  # noqa: E402
 from kvcache_ggml.cache import KVCache, SlotInfo, StreamCopyInfo  # noqa: E402
 from kvcache_ggml.cparams import CParams, ContextParams  # noqa: E402

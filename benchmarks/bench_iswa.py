@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvcache_ggml.batch import Batch, BatchAllocator
-from kvcache_ggml.iswa import KVCacheISWA
+from kvcache_ggml.cache.iswa import KVCacheISWA
 from kvcache_ggml.runtime.gemma import GemmaShape
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams

@@ -5,7 +5,7 @@ calls made through the binding layer's table (by function) and the reads of a ``
 (:class:`native_calls.NativeCalls`).
 
 Part 3 times the op calls of a graph build through the ctypes table and through the package's compiled calls
-(``G.FAST``, kvcache_ggml/_ggml/_fastcalls.py), which build.py builds with cffi's API mode.
+(``G.FAST``, kvcache_ggml/ggml/_fastcalls.py), which build.py builds with cffi's API mode.
 
 Part 2 times the same kinds of call side by side: ctypes as the binding layer declares them; cffi in ABI mode
 (``ffi.dlopen`` of the same libraries); cffi in API mode (an extension compiled here, in a temporary folder, against
@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from native_calls import NativeCalls  # noqa: E402
 
-from kvcache_ggml import _ggml as G  # noqa: E402
-from kvcache_ggml._ggml._lib import LIB_DIR  # noqa: E402
+from kvcache_ggml import ggml as G  # noqa: E402
+from kvcache_ggml.ggml._lib import LIB_DIR  # noqa: E402
 from kvcache_ggml.batch import Batch  # noqa: E402
 from kvcache_ggml.runtime import Context, Model, make_model  # noqa: E402
 from kvcache_ggml.runtime.modelmaker import ModelSpec  # noqa: E402
@@ -194,7 +194,7 @@ def part_costs(n: int, per_step: tuple[float, float]) -> None:
 
 def part_compiled(n: int) -> None:
     """The op calls of a graph build through the binding layer's ctypes table and through its compiled calls
-    (``G.FAST``, built by build.py: kvcache_ggml/_ggml/_fastcalls.py), the same arguments (ints) on both."""
+    (``G.FAST``, built by build.py: kvcache_ggml/ggml/_fastcalls.py), the same arguments (ints) on both."""
     if not G.FAST:
         print(f"\n(no compiled calls: {G.WHY_NO_FAST})")
         return

@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "oracle"))  # llama_runner
 from _oracle import pin  # noqa: E402
 
-from kvcache_ggml import _ggml as G  # noqa: E402
+from kvcache_ggml import ggml as G  # noqa: E402
 from kvcache_ggml.batch import Batch  # noqa: E402
 from kvcache_ggml.runtime import Context, Model, make_model  # noqa: E402
 from llama_runner import LlamaSession, llama_available  # noqa: E402

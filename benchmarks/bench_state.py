@@ -28,7 +28,7 @@ import numpy as np
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus
 from kvcache_ggml.hparams import HParams
-from kvcache_ggml.state import BufferWriter, FileWriter
+from kvcache_ggml.cache.state import BufferWriter, FileWriter
 
 N_LAYER, N_EMBD_HEAD, N_HEAD_KV = 32, 128, 8
 BYTES_PER_CELL = N_LAYER * 2 * N_EMBD_HEAD * N_HEAD_KV * 2   # K + V, f16

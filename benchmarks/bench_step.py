@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _oracle import oracle_timings, pin, step_lib  # noqa: E402
 
-from kvcache_ggml import _ggml as G  # noqa: E402
+from kvcache_ggml import ggml as G  # noqa: E402
 from kvcache_ggml.batch import Batch, BatchAllocator  # noqa: E402
 from kvcache_ggml.cache import KVCache  # noqa: E402
 from kvcache_ggml.hparams import HParams  # noqa: E402

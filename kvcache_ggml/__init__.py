@@ -1,6 +1,6 @@
 """kvcache_ggml: llama.cpp's KV cache rebuilt in Python on real ggml (through ggml-python).
 
-Importing the package is light: ggml itself is loaded on first use of `kvcache_ggml._ggml` (the binding layer)
+Importing the package is light: ggml itself is loaded on first use of `kvcache_ggml.ggml` (the binding layer)
 or of a class that needs it.
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 def info(argv: list[str]) -> int:
     """Print the ggml version, backends and devices."""
-    from . import _ggml as G
+    from . import ggml as G
     for line in G.summary_lines():
         print(line)
     return 0

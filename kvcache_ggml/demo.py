@@ -269,7 +269,7 @@ def _report(args, ctx, st: _State, vocab, t_gen: float) -> None:
 
 
 def run(args: argparse.Namespace, model_path: Path) -> int:
-    from . import _ggml as G
+    from . import ggml as G
     from .runtime.arch import load_model
     from .runtime.context import Context, RuntimeParams
     from .runtime.memory import kv_memory_plan

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
     from .runtime.memory import kv_memory_plan
     from .runtime.tokenizer import StreamDecoder, Vocab
 
-    from . import _ggml as G
+    from . import ggml as G
 
     a = _args(argv)
     G.set_log_level(3)

@@ -134,7 +134,7 @@ MUTATIONS = [
 # ignored folders the default suite reads: build.py's unpacked ggml-python source (test_bindings reads its
 # headers) and the GPU check's carried payload (tests/test_gpu_check.py checks it under CI)
 LINKED = ("vendor", ".carry")
-BUILT = ("kvcache_ggml/_ggml/_ops_cffi.*",)  # git-ignored build outputs the suite uses, copied (build.py makes them)
+BUILT = ("kvcache_ggml/ggml/_ops_cffi.*",)  # git-ignored build outputs the suite uses, copied (build.py makes them)
 README = ROOT / "tests" / "README.md"
 GOLDEN = "tests/test_golden_traces.py"
 

@@ -1,7 +1,7 @@
 """Count the native calls a piece of code makes through the binding layer (a test and benchmark helper).
 
 ``with NativeCalls() as nc: ...`` replaces, for the duration of the block, every C function the binding layer calls
-(``kvcache_ggml._ggml.CALLS``, ctypes or compiled, which the binding layer's own helpers read at call time, and the
+(``kvcache_ggml.ggml.CALLS``, ctypes or compiled, which the binding layer's own helpers read at call time, and the
 ``G.ggml_*`` module attributes the rest of the package calls) by a counting wrapper, and counts the reads of a
 ``struct ggml_tensor`` through the binding layer's one accessor (``_tensor._c``: ``G.ne``, ``G.header``,
 ``G.to_numpy``, ...).  ``nc.calls`` maps C function name -> calls, ``nc.struct_reads`` is the count of struct
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable
 
-from kvcache_ggml import _ggml as G
-from kvcache_ggml._ggml import _calls, _tensor
+from kvcache_ggml import ggml as G
+from kvcache_ggml.ggml import _calls, _tensor
 
 __all__ = ["NativeCalls"]
 

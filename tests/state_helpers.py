@@ -4,7 +4,7 @@ from functools import partial
 
 import numpy as np
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 
 from helpers import make_cache
 from helpers import decode as decode_batch

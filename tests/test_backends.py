@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.backends import (FAMILIES, BackendNotBuiltError, Backends, DeviceNotFoundError, PlacedModel,
                                    Placement, PlacementError, RpcServerError, assign_layers, backend_status,
                                    free_port, list_devices, local_rpc_server, main_rpc_server, parse_rpc_spec,

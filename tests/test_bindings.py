@@ -14,7 +14,7 @@ import ggml as ggml_python  # ggml-python's own (unmodified) declarations, to te
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 
 from helpers import UNDER_ASAN, rss_bytes
 

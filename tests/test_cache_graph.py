@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.cache import KVCache, KVCacheContext, SlotInfo
 
 from helpers import ToyModel, make_cache

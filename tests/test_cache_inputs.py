@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.cache import masks as _masks
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus
@@ -613,7 +613,7 @@ def test_tensor_in_an_rpc_buffer_is_refused(placed, tmp_path):
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{sk.getsockname()[1]}"
-    server = subprocess.Popen([sys.executable, "-c", "from kvcache_ggml import _ggml as G; "
+    server = subprocess.Popen([sys.executable, "-c", "from kvcache_ggml import ggml as G; "
                                f"G.rpc_start_server({endpoint!r}, [G.device('CPU')])"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache_ggml.cells import KVCells, CellExt, LLAMA_MAX_SEQ
+from kvcache_ggml.cache.cells import KVCells, CellExt, LLAMA_MAX_SEQ
 
 
 class RefCells:

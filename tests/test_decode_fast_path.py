@@ -19,7 +19,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache.inputs import host_tensor
 from kvcache_ggml.cache import MemoryStatus
@@ -667,7 +667,7 @@ def test_iswa_wrapped_window_matches_the_general_path():
     """The iSWA pair over a wrapped SWA cache, fast paths on and off: the same cells in both caches after every
     step, the same SWA masks, and the SWA cache's steps taken by the scalar paths."""
     from kvcache_ggml.hparams import HParams
-    from kvcache_ggml.iswa import KVCacheISWA
+    from kvcache_ggml.cache.iswa import KVCacheISWA
 
     class SwaModel:
         def __init__(self):

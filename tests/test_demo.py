@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.demo import main as demo_main
 from kvcache_ggml.demo import restore_check, same_sequence_state

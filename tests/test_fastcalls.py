@@ -1,4 +1,4 @@
-"""The compiled calls (kvcache_ggml/_ggml/_fastcalls.py) against the ctypes table they are generated from."""
+"""The compiled calls (kvcache_ggml/ggml/_fastcalls.py) against the ctypes table they are generated from."""
 from __future__ import annotations
 
 import ctypes
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
-from kvcache_ggml._ggml import _fastcalls
+from kvcache_ggml import ggml as G
+from kvcache_ggml.ggml import _fastcalls
 
 F32, F16, I32, I64 = (int(G.GGMLType[n]) for n in ("F32", "F16", "I32", "I64"))
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams, SwaType
-from kvcache_ggml.iswa import KVCacheISWA
+from kvcache_ggml.cache.iswa import KVCacheISWA
 from kvcache_ggml.runtime import Context, RuntimeParams
 from kvcache_ggml.runtime.arch import load_model, runtime_for
 from kvcache_ggml.runtime.gemma import GemmaModel, GemmaParams
@@ -22,7 +22,7 @@ from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 from kvcache_ggml.runtime.gemma_reference import GemmaReference, gelu_ggml, rope_neox
 from kvcache_ggml.runtime.model import Model
 from kvcache_ggml.runtime.modelmaker import ModelSpec, make_model
-from kvcache_ggml.swa_checkpoint import SWACheckpoints
+from kvcache_ggml.cache.swa_checkpoint import SWACheckpoints
 
 TOL = 2e-3
 # the same computation over another cell layout: the SIMD partial sums of the attention group the cells

@@ -27,7 +27,7 @@ import pytest
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus
 from kvcache_ggml.hparams import HParams
-from kvcache_ggml.state import parse_state
+from kvcache_ggml.cache.state import parse_state
 
 DATA = Path(__file__).with_name("data") / "golden_traces.npz"
 NEG_INF_BITS = np.uint32(0xFF800000)

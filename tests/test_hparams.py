@@ -11,7 +11,7 @@ import pytest
 
 from kvcache_ggml import (HParams, RopeType, SwaType, is_masked_swa, is_masked_swa_np, llama_relative_position_bucket,
                           llama_relative_position_bucket_np)
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 
 
 def mixed() -> HParams:

@@ -8,11 +8,11 @@ from functools import partial
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml import inspect as I
 from kvcache_ggml.cache import UpdateContext
 from kvcache_ggml._consts import LLAMA_MAX_SEQ
-from kvcache_ggml.cells import KVCells
+from kvcache_ggml.cache.cells import KVCells
 
 from helpers import make_cache
 

@@ -4,11 +4,11 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, KVCacheParams, Memory, MemoryStatus
 from kvcache_ggml.hparams import HParams, SwaType
-from kvcache_ggml.iswa import STATE_SEQ_FLAGS_PARTIAL_ONLY, KVCacheISWA, KVCacheISWAContext, swa_cache_size
+from kvcache_ggml.cache.iswa import STATE_SEQ_FLAGS_PARTIAL_ONLY, KVCacheISWA, KVCacheISWAContext, swa_cache_size
 
 N_VOCAB = 64
 PARTIAL = STATE_SEQ_FLAGS_PARTIAL_ONLY

@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.cache import StreamCopyInfo, UpdateContext
 from kvcache_ggml.cparams import CParams, ContextParams, RopeScalingType
 from kvcache_ggml.hparams import HParams, RopeType

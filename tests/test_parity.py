@@ -11,7 +11,7 @@ import logging
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml import parity as P
 from kvcache_ggml.backends import PlacementError, backend_status, local_rpc_server
 

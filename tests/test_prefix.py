@@ -21,7 +21,7 @@ from kvcache_ggml.prefix.policy import Candidate
 from kvcache_ggml.runtime import Context, DecodeError, Model, make_model
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 from kvcache_ggml.runtime.server import Request, Server, chat_workload, format_responses
-from kvcache_ggml.state import read_state_file
+from kvcache_ggml.cache.state import read_state_file
 
 VOCAB = 64
 TOL = 1e-5      # relative to the largest logit, F32 K/V: placement-dependent rounding is ~1e-6 here

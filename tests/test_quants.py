@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, Reference, make_model
 from kvcache_ggml.runtime.model import cpu_device

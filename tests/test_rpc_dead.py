@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.backends import PlacedModel, backend_status, local_rpc_server
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.hparams import HParams

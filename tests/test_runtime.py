@@ -274,7 +274,7 @@ def test_quantized_weights(tmp_path, wtype, tol):
 
 
 def G_type_name(t):
-    from kvcache_ggml import _ggml as G
+    from kvcache_ggml import ggml as G
     return G.type_name(G.ttype(t))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, make_model
 from kvcache_ggml.parity.runtime_check import (CONFIGS, QUICK_MODELS, ParityRow, Lockstep, logit_tolerance,

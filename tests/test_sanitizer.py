@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not UNDER_ASAN, reason="not the ASan flavour (py
 _OVERFLOW = textwrap.dedent("""
     import ctypes
     import numpy as np
-    from kvcache_ggml import _ggml as G
+    from kvcache_ggml import ggml as G
     buf = G.BackendBuffer.alloc(G.cpu_buffer_type(), 64)
     with G.Context.for_tensors(1) as ctx:
         t = ctx.new_tensor("f32", (64,), "t")

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.cache.state import codec as S
 from kvcache_ggml.cache import KVCache
-from kvcache_ggml.state import (BufferWriter, BytesReader, BytesWriter, CountingWriter, FileWriter, StreamReader,
+from kvcache_ggml.cache.state import (BufferWriter, BytesReader, BytesWriter, CountingWriter, FileWriter, StreamReader,
                                 StreamWriter, load_seq_file, parse_state, read_state_file, save_seq_file)
 
 from helpers import ToyModel

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvcache_ggml.cache.state.cli import main_inspect
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams
-from kvcache_ggml.state import load_seq_file, parse_state, save_seq_file
+from kvcache_ggml.cache.state import load_seq_file, parse_state, save_seq_file
 
 from helpers import ToyModel
 from state_helpers import (assert_consistent, assert_same, decode, golden_cache, make, pattern, randomize_data, raw,

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml import parity as P
 from kvcache_ggml.backends import PlacedModel, backend_status
 from kvcache_ggml.batch import Batch

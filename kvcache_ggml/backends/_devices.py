@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-from .. import _ggml as G
+from .. import ggml as G
 
 
 # ============================================================================================== errors

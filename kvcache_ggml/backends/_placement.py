@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ._devices import (FAMILIES, BackendNotBuiltError, DeviceInfo, DeviceNotFoundError, DeviceRef, PlacementError,
                        _built, _dev_name, _device_info, _family_devices, _ref, _registered_devices, _registry_names)
 from ._rpc import _RPC_ADDED, RPC_SCHEME, RpcServerError, _rpc_device, _rpc_spec

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 
-from .. import _ggml as G
+from .. import ggml as G
 from ._devices import FAMILIES, BackendNotBuiltError, DeviceNotFoundError, DeviceRef, RpcServerError, _built, _ref
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..batch import UBatch
 from .inputs import host_tensor
 from .types import MemoryStatus, SlotInfo, StreamCopyInfo

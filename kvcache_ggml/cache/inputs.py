@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..batch import UBatch
 from ..hparams import HParams, SwaType, llama_relative_position_bucket_np
 from .._consts import LLAMA_MAX_SEQ

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..cparams import CParams, layer_rope_freq
 from ..hparams import HParams, RopeType
 from .tensors import KVTensors, _ctx_ptr

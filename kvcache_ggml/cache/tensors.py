@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..batch import UBatch
 from ..hparams import HParams
 from .types import KVCacheParams, ModelLike, SlotInfo, StreamCopyInfo

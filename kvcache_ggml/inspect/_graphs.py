@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 
-from .. import _ggml as G
+from .. import ggml as G
 
 
 _CACHE_NAME = re.compile(r"^cache_[kv]_l\d+$")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..cache.cells.kvcells import KVCells
 
 

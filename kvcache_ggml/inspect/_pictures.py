@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..cache.cells.kvcells import KVCells
 from ._cells import _streams
 

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..backends import BackendNotBuiltError, PlacementError, backend_status, local_rpc_server
 from ._config import BACKENDS, CHECKS, Capture, Item, ParityConfig, Target, _layers_label, make_target, tolerance
 from ._trace import ReplayCrash, replay, replay_isolated

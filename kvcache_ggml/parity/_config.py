@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..backends import BackendNotBuiltError, Placement, PlacementError, backend_status
 from ..hparams import HParams, RopeType
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..backends import PlacedModel, PlacementError
 from ..batch import Batch, BatchAllocator
 from ..cache import KVCache, MemoryStatus

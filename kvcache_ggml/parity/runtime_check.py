@@ -41,7 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..backends import PlacedModel, PlacementError, local_rpc_server
 from ..batch import Batch
 from ..hparams import HParams

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..cache import UpdateContext
 from .._consts import LLAMA_MAX_SEQ
 from ..batch import Batch, BatchAllocator
@@ -402,7 +402,7 @@ class Context:
 
     def set_eval_callback(self, fn: Any) -> None:
         """Observe graph nodes as they are computed (llama.cpp's ``cb_eval``): ``fn(tensor, ask) -> bool``, see
-        :meth:`kvcache_ggml._ggml.Sched.set_eval_callback`; None removes it.  :class:`~.trace.NodeTrace` uses it."""
+        :meth:`kvcache_ggml.ggml.Sched.set_eval_callback`; None removes it.  :class:`~.trace.NodeTrace` uses it."""
         if self._sched is None:
             raise ValueError("the context is closed")
         self._eval_fn = fn

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..batch import Batch, BatchAllocator
 from ..cache import KVCache
 from ..cparams import CParams

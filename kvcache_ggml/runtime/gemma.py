@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from .._gguf import read_kv
 from ..cache import KVCache, KVCacheParams
 from ..cache.iswa import KVCacheISWA, KVCacheISWAContext, KVCacheISWAParams

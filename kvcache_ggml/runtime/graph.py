@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 
 __all__ = ["GraphKey", "DecoderGraph", "graph_key", "build_decoder", "build_token_inputs", "set_inputs",
            "graph_capacity"]

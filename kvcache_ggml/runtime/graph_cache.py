@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import _ggml as G
+from .. import ggml as G
 
 __all__ = ["GraphCache", "KeptGraph"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 
 __all__ = ["WEIGHT_TYPES", "check_spec"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..cparams import CParams
 from ..hparams import SwaType
 from ..cache.iswa import swa_cache_size

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from .._gguf import GGUFFile, read_kv
 from ..cache.kvcache import KVCache
 from ..cache.types import KVCacheParams

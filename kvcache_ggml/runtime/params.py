@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import _ggml as G
+from .. import ggml as G
 from .._consts import LLAMA_MAX_SEQ
 from ..cparams import ContextParams, RopeScalingType
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 
 __all__ = ["NodeTrace", "NodeList", "NodeDiff", "first_difference", "node_wanted"]
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, DecodeError
-from kvcache_ggml.state import parse_state
+from kvcache_ggml.cache.state import parse_state
 
 __all__ = ["apply_ops", "compare_state"]
 

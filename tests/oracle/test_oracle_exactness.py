@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
-from kvcache_ggml._ggml._lib import LIB_DIR
+from kvcache_ggml import ggml as G
+from kvcache_ggml.ggml._lib import LIB_DIR
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context, Model, make_model
 from llama_runner import ORACLE_PY, b64_floats, llama_available, run_llama, trace_nodes

@@ -14,13 +14,13 @@ import base64
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.runtime import Context
 from kvcache_ggml.runtime.arch import load_model
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 from llama_runner import b64_floats, llama_available, run_llama
-from kvcache_ggml.state import parse_state
+from kvcache_ggml.cache.state import parse_state
 
 from runtime_ops import apply_ops, compare_state
 

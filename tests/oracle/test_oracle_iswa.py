@@ -15,7 +15,7 @@ import pytest
 
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import MemoryStatus
-from kvcache_ggml.iswa import STATE_SEQ_FLAGS_PARTIAL_ONLY, KVCacheISWA
+from kvcache_ggml.cache.iswa import STATE_SEQ_FLAGS_PARTIAL_ONLY, KVCacheISWA
 from kvcache_ggml.runtime.gemma import GemmaShape
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
 

@@ -18,10 +18,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from kvcache_ggml import _ggml as G
+from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch, BatchAllocator
 from kvcache_ggml.cache import KVCache, MemoryStatus
-from kvcache_ggml.state import load_seq_file, parse_state, save_seq_file
+from kvcache_ggml.cache.state import load_seq_file, parse_state, save_seq_file
 
 from conftest import ORACLE_DIR, ORACLE_PY, ORACLE_SRC
 from helpers import TINY_GGUF, ToyModel

@@ -1,5 +1,4 @@
-"""Saving and restoring the KV cache, byte-compatible with llama.cpp: the public names in one place (also importable
-as :mod:`kvcache_ggml.state`).
+"""Saving and restoring the KV cache, byte-compatible with llama.cpp: the public names in one place.
 
 ==========  ======================================================================================
 module      owns

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ... import _ggml as G
+from ... import ggml as G
 from ..._consts import LLAMA_MAX_SEQ
 from ..cells.kvcells import KVCells
 from ...hparams import HParams

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import _ggml as G
+from ... import ggml as G
 from ..._consts import INT32_MAX, LLAMA_MAX_SEQ
 from ...hparams import LLAMA_MAX_LAYERS
 from .io import StateReader

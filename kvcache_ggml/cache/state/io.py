@@ -12,7 +12,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ... import _ggml as G
+from ... import ggml as G
 
 __all__ = ["StateWriter", "CountingWriter", "BytesWriter", "BufferWriter", "StreamWriter", "FileWriter",
            "StateReader", "BytesReader", "StreamReader"]

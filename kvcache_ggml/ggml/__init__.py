@@ -1,6 +1,6 @@
 """The binding layer: the only part of kvcache_ggml that touches ctypes.
 
-Other modules do `from kvcache_ggml import _ggml as G` and then:
+Other modules do `from kvcache_ggml import ggml as G` and then:
 - call C functions of the table by their C names: `G.ggml_view_4d(ctx.ptr, t, ...)`, `G.ggml_set_rows(...)`
   (`G.FUNCTIONS` is the table: name -> ctypes function, declared with the right types; `G.CALLS` the functions
   called, the graph builders' compiled with cffi where build.py could: `_fastcalls.py`);
