@@ -155,7 +155,7 @@ def test_shared_prefix_is_reused_between_requests(model):
         jb, sb = job(vocab, b, 4)
         eng.submit(jb)
         eng.run_until_idle()
-        assert sa.done.usage["cached_tokens"] == 0 and sb.done.usage["cached_tokens"] == 40
+        assert sa.done.usage.cached_tokens == 0 and sb.done.usage.cached_tokens == 40
         assert eng.stats.computed_tokens == 48 + 8
         assert sb.tokens == alone(model, b, 4)[0]
 
@@ -206,7 +206,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(model):
         eng = Engine(ctx, vocab, EngineParams(n_parallel=4, step_tokens=16))
         sinks = serve_all(eng, vocab, ps, 3)
         assert eng.stats.computed_tokens == 60 + 4 * 10
-        assert [s.done.usage["cached_tokens"] for s in sinks] == [0, 60, 60, 60]
+        assert [s.done.usage.cached_tokens for s in sinks] == [0, 60, 60, 60]
         assert [s.tokens for s in sinks] == refs
         check(eng.prefix)
 

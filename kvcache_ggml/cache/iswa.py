@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..hparams import SwaType
 from .context import KVCacheContext
 from .kvcache import KVCache
@@ -207,6 +207,11 @@ class KVCacheISWA:
 
     def get_n_stream(self) -> int:
         return self._check_open()[0].get_n_stream()
+
+    def get_used(self, stream: int = -1) -> int:
+        """Used cells of the base cache (the one that bounds a sequence's context; the SWA cache reuses the cells
+        its window left behind)."""
+        return self._check_open()[0].get_used(stream)
 
     @property
     def n_stream(self) -> int:

@@ -17,8 +17,8 @@ The facade itself orchestrates what spans parts: ``clear`` (cells and data), ``i
 ``update`` (stream copies, then the K-shift with its input from the cells).
 
 A cache with layers on an RPC server checks, after each of its calls that move K/V data (``clear``, ``update``,
-the state API), whether that server was lost (:class:`~kvcache_ggml._ggml.RpcWatch`).  If it was, the call
-raises :class:`~kvcache_ggml._ggml.RpcServerLostError`, ``lost`` keeps that error, and every public method
+the state API), whether that server was lost (:class:`~kvcache_ggml.ggml.RpcWatch`).  If it was, the call
+raises :class:`~kvcache_ggml.ggml.RpcServerLostError`, ``lost`` keeps that error, and every public method
 raises it from then on: the data of every sequence is gone (each sequence has K/V in every layer).  Properties,
 sizes and :meth:`close` still answer.
 """
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .. import _ggml as G
+from .. import ggml as G
 from ..batch import BatchAllocator, UBatch
 from ..cparams import CParams
 from ..hparams import HParams, RopeType, SwaType
@@ -168,6 +168,16 @@ class KVCache:
 
     def get_n_stream(self) -> int:
         return self.book.n_stream
+
+    def get_used(self, stream: int = -1) -> int:
+        """Cells holding a token in ``stream`` (-1: in every stream); a batch of n tokens for the sequences of a
+        stream has a slot when ``get_size() - get_used(stream) >= n``."""
+        cells = self.book.v_cells
+        if stream < 0:
+            return sum(c.get_used() for c in cells)
+        if stream >= len(cells):
+            raise ValueError(f"stream {stream} out of range [0, {len(cells)})")
+        return cells[stream].get_used()
 
     def get_has_shift(self) -> bool:
         return self.book.get_has_shift()

@@ -1,10 +1,11 @@
 """The memory a runtime context drives: llama.cpp's ``llama_memory_i`` as a :class:`typing.Protocol`.
 
 :class:`~kvcache_ggml.cache.KVCache` and :class:`~kvcache_ggml.cache.iswa.KVCacheISWA` both implement it
-(structurally: neither inherits from it), and :class:`~kvcache_ggml.runtime.Context` types its ``kv`` with it.  Beyond
-llama.cpp's interface: ``has_pending_update`` (what ``init_update``'s status would say, without making a context),
-``state_save``/``state_load``/``state_size`` (the state as bytes), ``check_seq_state``, ``shift_graph_size`` (the
-scheduler's size), ``set_fast_paths`` (the decode fast paths), the RPC loss (``rpc``, ``lost``, ``mark_lost``) and ``close``.
+(structurally: neither inherits from it), and :class:`~kvcache_ggml.runtime.Context` types its ``kv`` with it.
+Beyond llama.cpp's interface: ``get_used`` (cells holding a token, per stream or in all), ``has_pending_update``
+(what ``init_update``'s status would say, without making a context), ``state_save``/``state_load``/``state_size``
+(the state as bytes), ``check_seq_state``, ``shift_graph_size`` (the scheduler's size), ``set_fast_paths`` (the
+decode fast paths), the RPC loss (``rpc``, ``lost``, ``mark_lost``) and ``close``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Memory(Protocol):
     def has_pending_update(self) -> bool: ...
     def get_can_shift(self) -> bool: ...
     def get_size(self) -> int: ...
+    def get_used(self, stream: int = -1) -> int: ...
 
     # ---- llama_memory_i: sequences
     def clear(self, data: bool = True) -> None: ...

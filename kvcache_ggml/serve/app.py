@@ -39,6 +39,7 @@ from starlette.routing import Route
 from . import protocol as P
 from .chat import ChatTemplate
 from .engine import Engine, Event, Job, QueueFull
+from .results import TokenLogprob
 from .sampling import Sampler
 from .text import TextStream
 
@@ -213,21 +214,21 @@ class _Api:
         b = self.vocab.token_to_piece(int(t))
         return b.decode("utf-8", errors="replace"), b
 
-    def chat_lps(self, lps: list[dict]) -> list[dict]:
+    def chat_lps(self, lps: list[TokenLogprob]) -> list[dict]:
         out = []
         for d in lps:
-            text, raw = self.piece(d["id"])
-            top = [(*self.piece(i), lp) for i, lp in d["top"]]
-            out.append(P.chat_token_logprob(text, raw, d["logprob"], top))
+            text, raw = self.piece(d.id)
+            top = [(*self.piece(i), lp) for i, lp in d.top]
+            out.append(P.chat_token_logprob(text, raw, d.logprob, top))
         return out
 
-    def completion_lps(self, lps: list[dict], offset: int) -> dict:
+    def completion_lps(self, lps: list[TokenLogprob], offset: int) -> dict:
         toks, lp, tops, offs = [], [], [], []
         for d in lps:
-            text = self.piece(d["id"])[0]
+            text = self.piece(d.id)[0]
             toks.append(text)
-            lp.append(d["logprob"])
-            tops.append({self.piece(i)[0]: x for i, x in d["top"]})
+            lp.append(d.logprob)
+            tops.append({self.piece(i)[0]: x for i, x in d.top})
             offs.append(offset)
             offset += len(text)
         return P.completion_logprobs(toks, lp, tops, offs)
@@ -274,7 +275,7 @@ class _Api:
         if end.kind == "error":
             return _error(P.RequestError(end.text, status=500, type="server_error"))
         u = end.usage
-        usage = P.usage_dict(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+        usage = P.usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
         content, name = "".join(text), self.svc.model_name
         want_lp = p.job.top_logprobs >= 0
         if p.chat:
@@ -318,7 +319,7 @@ class _Api:
             out = _sse(P.completion_chunk(p.id, p.created, name, "", ev.finish_reason))
         if p.req.stream_include_usage:
             u = ev.usage
-            usage = P.usage_dict(u["prompt_tokens"], u["completion_tokens"], u["cached_tokens"])
+            usage = P.usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
             out += _sse(P.usage_chunk(p.id, p.created, name, usage, p.chat))
         return out
 

@@ -119,7 +119,7 @@ def _server_class():
 def main(argv: list[str]) -> int:
     import uvicorn
 
-    from .. import _ggml as G
+    from .. import ggml as G
     from .app import make_app
 
     a = parse_args(argv)

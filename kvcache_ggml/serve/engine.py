@@ -44,6 +44,7 @@ import numpy as np
 from ..batch import Batch
 from ..prefix import PrefixCache, PrefixParams
 from ..runtime.context import DecodeError
+from .results import TokenLogprob, Usage
 from .sampling import Sampler
 from .text import TextStream
 
@@ -93,9 +94,9 @@ class Event:
     kind: str                              # "text" (a piece of output), "done" (the end) or "error"
     text: str = ""                         # text: the piece; error: the message
     tokens: list[int] = field(default_factory=list)        # text: the tokens this piece completes
-    logprobs: list[dict] = field(default_factory=list)     # text: per token {"id", "logprob", "top": [(id, lp)]}
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # text: one per token (when asked for)
     finish_reason: str | None = None       # done: "stop" or "length"
-    usage: dict | None = None              # done: prompt_tokens, completion_tokens, cached_tokens
+    usage: Usage | None = None             # done: the request's token counts
 
 
 @dataclass(slots=True, eq=False)
@@ -116,7 +117,7 @@ class Job:
     n_cached: int = 0                      # prompt tokens the prefix cache reused
     generated: list[int] = field(default_factory=list)     # sampled tokens
     pending: list[int] = field(default_factory=list)       # sampled tokens whose text is not out yet
-    pending_lp: list[dict] = field(default_factory=list)   # their logprobs
+    pending_lp: list[TokenLogprob] = field(default_factory=list)  # their logprobs
     t_submit: float = 0.0                  # perf_counter at submission
     t_first: float = 0.0                   # perf_counter at the first token (0: none yet)
     deadline: float = 0.0                  # perf_counter past which it ends
@@ -377,7 +378,7 @@ class Engine:
             return
         if job.top_logprobs >= 0:
             lp, top = job.sampler.logprobs(logits, tok, job.top_logprobs)
-            job.pending_lp.append({"id": tok, "logprob": lp, "top": top})
+            job.pending_lp.append(TokenLogprob(tok, lp, tuple(top)))
         job.sampler.accept(tok)
         job.generated.append(tok)
         job.pending.append(tok)
@@ -425,9 +426,8 @@ class Engine:
         self._emit(job, Event("error", message))
 
     @staticmethod
-    def _usage(job: Job) -> dict:
-        return {"prompt_tokens": int(job.tokens.size), "completion_tokens": len(job.generated),
-                "cached_tokens": job.n_cached}
+    def _usage(job: Job) -> Usage:
+        return Usage(int(job.tokens.size), len(job.generated), job.n_cached)
 
     @staticmethod
     def _emit(job: Job, ev: Event) -> None:
