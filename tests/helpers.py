@@ -107,3 +107,20 @@ UNDER_ASAN = hasattr(ctypes.CDLL(None), "__asan_init")
 def rss_bytes() -> int:
     """This process's resident memory (Linux: /proc/self/statm, in the system's pages)."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def prefill(pc, tokens, seq: int, retention=None):
+    """A prompt through a PrefixCache's one request API: ``attach`` (the cached prefix reused), then ``advance``
+    over the rest in n_batch chunks, logits for the last token only.  Returns (the admission, float32 [n_vocab]
+    logits of the last token).  A decode that fails releases the sequence (what was decoded stays cached, parked)
+    and raises."""
+    adm = pc.attach(tokens, seq, retention=retention)
+    rest = np.asarray(tokens, np.int32)[adm.n_reused:]
+    n_batch = pc.ctx.cparams.n_batch
+    try:
+        for i in range(0, rest.size, n_batch):
+            (row,) = pc.advance([(seq, rest[i:i + n_batch], i + n_batch >= rest.size)])
+    except BaseException:
+        pc.release(seq)
+        raise
+    return adm, row

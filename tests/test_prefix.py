@@ -16,12 +16,14 @@ from hypothesis import given, settings, strategies as st
 
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.prefix import (HostParams, HostTier, LRUPolicy, PrefixCache, PrefixParams, PrefixStats, RadixTree,
-                                 Retention, check)
+                                 Retention, check, common_prefix)
 from kvcache_ggml.prefix.policy import Candidate
 from kvcache_ggml.runtime import Context, DecodeError, Model, make_model
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 from kvcache_ggml.runtime.server import Request, Server, chat_workload, format_responses
 from kvcache_ggml.cache.state import read_state_file
+
+from helpers import prefill
 
 VOCAB = 64
 TOL = 1e-5      # relative to the largest logit, F32 K/V: placement-dependent rounding is ~1e-6 here
@@ -170,23 +172,23 @@ def test_reuse_is_exact(model, fa, unified, kv_type):
     b = np.concatenate([system, toks(13, 3)])
     with ctx_of(model, **kw) as c:
         pc = PrefixCache(c, host=HostParams(budget=1 << 20))
-        assert pc.admit(system, 0).source == "none"     # a sequence holding the system prompt, cells 0..39
+        assert prefill(pc, system, 0)[0].source == "none"  # a sequence holding the system prompt, cells 0..39
         pc.release(0)
-        adm = pc.admit(b, 1)                     # seq_cp (unified) or whole-stream copy + cut (streams)
+        adm, logits = prefill(pc, b, 1)          # seq_cp (unified) or whole-stream copy + cut (streams)
         assert (adm.source, adm.source_seq, adm.n_reused, adm.n_decoded) == ("device", 0, 40, 13)
-        assert np.array_equal(adm.logits, fresh_logits(model, b, **kw))
+        assert np.array_equal(logits, fresh_logits(model, b, **kw))
         pc.release(1)
         turn2 = np.concatenate([b, toks(5, 4)])
-        adm = pc.admit(turn2, 1)                 # the same sequence, extended in place
+        adm, logits = prefill(pc, turn2, 1)      # the same sequence, extended in place
         assert (adm.source, adm.n_reused) == ("own", b.size)
-        assert np.array_equal(adm.logits, fresh_logits(model, turn2, **kw))
+        assert np.array_equal(logits, fresh_logits(model, turn2, **kw))
         pc.release(1)
         pc.evict(1)                              # a blob in RAM
         pc.clear()                               # nothing left on the device
         turn3 = np.concatenate([turn2, toks(4, 5)])
-        adm = pc.admit(turn3, 2)                 # restored into the empty cache, from cell 0
+        adm, logits = prefill(pc, turn3, 2)      # restored into the empty cache, from cell 0
         assert (adm.source, adm.n_reused) == ("host", turn2.size)
-        assert np.array_equal(adm.logits, fresh_logits(model, turn3, **kw))
+        assert np.array_equal(logits, fresh_logits(model, turn3, **kw))
         assert check(pc) == []
 
 
@@ -212,11 +214,11 @@ def test_reuse_in_a_busy_cache_within_tolerance(model, fa, unified, kv_type):
         pc = PrefixCache(c, host=HostParams(budget=1 << 20))
         for i, r in enumerate(reqs):
             s = pc.pick_seq(r)
-            adm = pc.admit(r, s)
+            adm, logits = prefill(pc, r, s)
             assert adm.n_reused >= (0 if i == 0 else 24)
-            assert rel_err(adm.logits, fresh_logits(model, r, **kw)) < (TOL if kv_type == "f32" else TOL_F16)
+            assert rel_err(logits, fresh_logits(model, r, **kw)) < (TOL if kv_type == "f32" else TOL_F16)
             if i % 3:
-                pc.step([s], [7])
+                pc.advance([(s, [7], True)])
             pc.release(s)
             assert check(pc) == []
         assert pc.stats.evictions > 0 and pc.stats.hits_device + pc.stats.hits_host == 9
@@ -226,8 +228,8 @@ def test_unified_reuse_shares_cells(model):
     system = toks(20, 8)
     with ctx_of(model) as c:
         pc = PrefixCache(c)
-        pc.admit(np.append(system, 9), 0)
-        adm = pc.admit(np.append(system, 11), 1)
+        prefill(pc, np.append(system, 9), 0)
+        adm, _ = prefill(pc, np.append(system, 11), 1)
         assert adm.n_reused == 20
         cells = c.kv.v_cells[0]
         shared = np.flatnonzero(cells.seq_mask(0) & cells.seq_mask(1))
@@ -239,7 +241,7 @@ def test_unified_reuse_shares_cells(model):
 def test_match_needs_min_reuse_and_reuse_flag(model):
     with ctx_of(model) as c:
         pc = PrefixCache(c, min_reuse=5)
-        pc.admit(toks(10, 9), 0)
+        prefill(pc, toks(10, 9), 0)
         assert pc.match(toks(10, 9)[:4].tolist() + [1]).n_tokens == 0
         assert pc.match(toks(10, 9)).n_tokens == 10
         pc.params.reuse = False
@@ -250,7 +252,7 @@ def test_match_needs_min_reuse_and_reuse_flag(model):
 
 
 def served(pc, seq, tokens):
-    pc.admit(tokens, seq)
+    prefill(pc, tokens, seq)
     pc.release(seq)
 
 
@@ -263,7 +265,7 @@ def test_shifted_sequence_no_longer_matches_its_old_positions(model):
         assert pc.seqs[0].tokens.tolist() == t[:4].tolist() and not pc.seqs[0].clean
         assert pc.match(t).n_tokens == 4
         assert check(pc) == []
-        adm = pc.admit(np.concatenate([t[:4], toks(3, 12)]), 1)
+        adm, _ = prefill(pc, np.concatenate([t[:4], toks(3, 12)]), 1)
         assert adm.n_reused == 4
         pc.release(1)
         # the decode ran the K-shift; the entry of the shifted sequence still only claims its first 4 tokens
@@ -319,19 +321,19 @@ def test_seq_cp_and_state_load_through_the_cache(model, unified):
         pc.state_load(whole, tokens={0: t, 3: t})
         assert pc.seqs[0].tokens.tolist() == t.tolist() and pc.seqs[2].tokens.size == 0
         assert check(pc) == []
-        adm = pc.admit(np.append(t, 3), pc.free_seq())   # every sequence is taken: one is evicted
+        adm, _ = prefill(pc, np.append(t, 3), pc.free_seq())   # every sequence is taken: one is evicted
         assert adm.n_reused == 16 and pc.stats.evictions == 1
 
 
-def test_admit_over_cells_put_behind_the_back(model):
+def test_attach_over_cells_put_behind_the_back(model):
     t = toks(10, 18)
     with ctx_of(model) as c:
         pc = PrefixCache(c)
         c.decode(Batch(token=toks(7, 19), seq_id=np.full(7, 2, np.int32)))   # sequence 2, not indexed
-        adm = pc.admit(t, 2)
+        adm, logits = prefill(pc, t, 2)
         assert adm.n_decoded == 10 and c.memory_seq_pos_min(2) == 0 and c.memory_seq_pos_max(2) == 9
         assert check(pc) == []
-        assert rel_err(adm.logits, fresh_logits(model, t)) < TOL
+        assert rel_err(logits, fresh_logits(model, t)) < TOL
 
 
 def test_pick_seq_falls_back_to_the_holder(model):
@@ -339,10 +341,10 @@ def test_pick_seq_falls_back_to_the_holder(model):
     with ctx_of(model, n_seq_max=2) as c:
         pc = PrefixCache(c)
         served(pc, 0, t)
-        pc.admit(toks(5, 22), 1)                      # active: sequence 0 is the only one left
+        prefill(pc, toks(5, 22), 1)                   # active: sequence 0 is the only one left
         branch = np.concatenate([t[:8], toks(3, 23)])
         assert pc.pick_seq(branch) == 0
-        adm = pc.admit(branch, 0)
+        adm, _ = prefill(pc, branch, 0)
         assert (adm.source, adm.n_reused) == ("own", 8) and check(pc) == []
 
 
@@ -373,9 +375,9 @@ def test_full_cache_evicts_least_recently_used_to_the_host_tier(model, tmp_path)
             if h.path is not None:                    # a llama.cpp sequence state file
                 info = read_state_file(h.path)
                 assert info.kind == "seq" and info.tokens.tolist() == h.tokens.tolist()
-        adm = pc.admit(np.append(prompts[0], 7), 0)   # back from the host tier
+        adm, logits = prefill(pc, np.append(prompts[0], 7), 0)  # back from the host tier
         assert (adm.source, adm.n_reused) == ("host", 96)
-        assert rel_err(adm.logits, fresh_logits(model, np.append(prompts[0], 7))) < TOL
+        assert rel_err(logits, fresh_logits(model, np.append(prompts[0], 7))) < TOL
         assert check(pc) == []
         pc.close()
         assert not list(tmp_path.iterdir())
@@ -385,7 +387,7 @@ def test_retention_priority_keeps_a_sequence(model):
     now = [0.0]
     with ctx_of(model, n_ctx=64, n_seq_max=4) as c:
         pc = PrefixCache(c, clock=lambda: now[0])
-        pc.admit(toks(96, 30), 0, retention=Retention(priority=90, duration=10.0))
+        prefill(pc, toks(96, 30), 0, retention=Retention(priority=90, duration=10.0))
         pc.release(0)
         served(pc, 1, toks(96, 31))
         served(pc, 2, toks(96, 32))                   # needs room: sequence 1 goes, not the older 0
@@ -398,19 +400,76 @@ def test_retention_priority_keeps_a_sequence(model):
 def test_no_room_and_bad_requests(model):
     with ctx_of(model, n_ctx=64, n_seq_max=2) as c:
         pc = PrefixCache(c)
-        pc.admit(toks(200, 40), 0)                    # active: never evicted
+        prefill(pc, toks(200, 40), 0)                 # active: never evicted
         with pytest.raises(DecodeError) as e:
-            pc.admit(toks(100, 41), 1)
+            prefill(pc, toks(100, 41), 1)
         assert e.value.code == 1
         with pytest.raises(RuntimeError, match="serving a request"):
-            pc.admit(toks(3, 42), 0)
+            prefill(pc, toks(3, 42), 0)
         with pytest.raises(ValueError, match="n_vocab"):
-            pc.admit([VOCAB], 1)
+            prefill(pc, [VOCAB], 1)
         with pytest.raises(ValueError, match="out of range"):
-            pc.admit([5], 2)
+            prefill(pc, [5], 2)
         with pytest.raises(RuntimeError, match="serves no request"):
-            pc.step([1], [3])                         # the failed admit left sequence 1 without a request
+            pc.advance([(1, [3], True)])              # the failed prefill left sequence 1 without a request
         assert check(pc) == []
+
+
+def distinct(n, i):
+    """n tokens starting with 3 + i: prompts with distinct first tokens share no prefix (and no cell)."""
+    return np.concatenate([[3 + i], toks(n - 1, 50 + i)]).astype(np.int32)
+
+
+def test_claim_evicts_parked_sequences_in_policy_order(model):
+    with ctx_of(model, n_ctx=64, n_seq_max=4) as c:
+        pc = PrefixCache(c, host=HostParams(budget=1 << 20))
+        prefill(pc, distinct(60, 0), 0, retention=Retention(priority=90))   # kept longest by the policy
+        pc.release(0)
+        served(pc, 1, distinct(60, 1))
+        served(pc, 2, distinct(60, 2))
+        prefill(pc, distinct(60, 3), 3)               # active: never evicted
+        size = c.kv.get_size()
+        free = size - 240
+        assert c.kv.get_used(0) == 240
+        assert pc.claim({0: free}) and sorted(pc.seqs) == [0, 1, 2, 3] and pc.stats.evictions == 0
+        assert not pc.claim({0: size + 1})            # can never fit: nothing evicted
+        assert sorted(pc.seqs) == [0, 1, 2, 3]
+        for bad in ({1: 3}, {0: -1}):                 # one stream in a unified cache; a negative count
+            with pytest.raises(ValueError, match="claim: stream"):
+                pc.claim(bad)
+        assert sorted(pc.seqs) == [0, 1, 2, 3]
+        assert pc.claim({0: free + 1}, keep=[1])      # least recently used is 1, kept: 2 goes
+        assert sorted(pc.seqs) == [0, 1, 3] and pc.seqs[1].tokens.tolist() == distinct(60, 1).tolist()
+        assert pc.claim({0: free + 61})               # then 1 (priority 35 before 0's 90)
+        assert sorted(pc.seqs) == [0, 3]
+        assert not pc.claim({0: size})                # the active sequence holds 60 cells: evicts 0, still short
+        assert sorted(pc.seqs) == [3] and pc.seqs[3].active and pc.seqs[3].tokens.size == 60
+        assert c.kv.get_used(0) == 60 and pc.stats.evictions == pc.stats.host_saves == 3
+        assert check(pc) == []
+
+
+def test_claim_per_stream(model):
+    with ctx_of(model, n_ctx=64, n_seq_max=4, kv_unified=False) as c:
+        pc = PrefixCache(c)
+        assert [pc.stream_of(s) for s in range(4)] == [0, 1, 2, 3]
+        with pytest.raises(ValueError, match="out of range"):
+            pc.stream_of(4)
+        served(pc, 0, distinct(30, 0))
+        served(pc, 1, distinct(30, 1))
+        prefill(pc, distinct(30, 2), 2)               # active
+        size = c.kv.get_size()
+        assert not pc.claim({2: size}) and sorted(pc.seqs) == [0, 1, 2]   # only its own stream's sequences go
+        assert pc.claim({1: size}) and sorted(pc.seqs) == [0, 2]
+        assert pc.claim({0: size}, keep=[0]) is False and sorted(pc.seqs) == [0, 2]
+        assert c.kv.get_used(1) == 0 and c.kv.get_used(0) == 30 and check(pc) == []
+    with ctx_of(model, n_seq_max=4) as c:
+        assert PrefixCache(c).stream_of(3) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(token_lists, token_lists, st.integers(0, 12))
+def test_common_prefix_matches_brute_force(a, b, limit):
+    assert common_prefix(a, b, limit) == min(lcp(a, b), limit)
 
 
 # ============================================================================================== the server

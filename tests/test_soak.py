@@ -28,7 +28,7 @@ from kvcache_ggml.prefix import HostParams, PrefixCache, check
 from kvcache_ggml.runtime import Context, DecodeError, Model, make_model
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 
-from helpers import rss_bytes
+from helpers import prefill, rss_bytes
 
 pytestmark = pytest.mark.soak
 
@@ -138,10 +138,10 @@ def prefix_round(ctx: Context, rng: np.random.Generator, n: int, totals: dict[st
         for _ in range(n):
             req = np.concatenate([systems[rng.integers(3)], rng.integers(3, VOCAB, rng.integers(1, 24))])
             s = pc.pick_seq(req)
-            adm = pc.admit(req.astype(np.int32), s)
-            assert np.isfinite(adm.logits).all()
+            _, logits = prefill(pc, req.astype(np.int32), s)
+            assert np.isfinite(logits).all()
             if rng.random() < 0.5:
-                pc.step([s], [int(rng.integers(3, VOCAB))])
+                pc.advance([(s, [int(rng.integers(3, VOCAB))], True)])
             pc.release(s)
             assert check(pc) == []
             assert check_invariants(ctx.kv) == []

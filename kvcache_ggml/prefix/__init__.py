@@ -1,8 +1,11 @@
 """Prompt reuse: a radix-tree index of the sequences in a KV cache, eviction by policy, and a host-memory tier.
 
 :class:`PrefixCache` sits on a runtime :class:`~kvcache_ggml.runtime.context.Context` and owns its sequence ids
-(0..n_seq_max-1).  Requests come as token lists; :meth:`PrefixCache.admit` finds the longest prefix the cache
-already holds, reuses it, and decodes only the rest.
+(0..n_seq_max-1).  Requests come as token lists and go through one API: :meth:`PrefixCache.attach` finds the
+longest prefix the cache already holds and reuses it; :meth:`PrefixCache.advance` decodes the rest -- chunks of
+several sequences' prompts and their generated tokens, mixed in one batch, as a serving loop plans them;
+:meth:`PrefixCache.release` parks the sequence.  :meth:`PrefixCache.claim` makes room for a batch before it is
+decoded.
 
 The tree
 --------
@@ -23,12 +26,13 @@ The last prompt token is always decoded, since its logits are the answer (as lla
 
 How the tree learns of operations
 ---------------------------------
-Eagerly, by wrapping: every operation that changes cells goes through the prefix cache (``admit``/``extend``/
-``step`` for decodes, and ``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add``, ``seq_div``, ``context_shift``,
+Eagerly, by wrapping: every operation that changes cells goes through the prefix cache (``attach``/``advance``
+for reuse and decodes, and ``seq_rm``, ``seq_cp``, ``seq_keep``, ``seq_add``, ``seq_div``, ``context_shift``,
 ``clear``, ``state_load`` with the context's signatures), which calls the context and then cuts each affected
-entry back to the prefix the operation cannot have changed (the table in :mod:`.ops`).  A shifted sequence keeps
-only the positions below the shift; in a unified cache a cell has one position for all its sequences, so
-``seq_add``/``seq_div``/context shifts also cut every sequence sharing a moved cell.
+entry back to the prefix the operation cannot have changed (the table in :mod:`.index`: the entries, their tree
+and these operations are a :class:`~kvcache_ggml.prefix.index.SeqIndex`, which the prefix cache owns).  A shifted
+sequence keeps only the positions below the shift; in a unified cache a cell has one position for all its
+sequences, so ``seq_add``/``seq_div``/context shifts also cut every sequence sharing a moved cell.
 
 Why not re-validate lazily against the cells alone?  ``seq_pos_min``/``seq_pos_max`` cannot see a hole, a
 duplicated position or a cell rewritten with other tokens at the same position (``seq_rm`` then a decode), and the
@@ -40,9 +44,9 @@ step).
 
 Eviction and the host tier
 --------------------------
-A released request leaves its sequence *parked*: cached, indexed, evictable.  When the cache has no slot for a
-batch (``DecodeError`` 1), no free sequence id, or no room to restore a blob, whole parked sequences of the stream
-are evicted, chosen by :class:`~kvcache_ggml.prefix.policy.LRUPolicy` (lowest retention priority first, then least
+A released request leaves its sequence *parked*: cached, indexed, evictable.  When a batch needs room
+(:meth:`PrefixCache.claim` before it, or ``DecodeError`` 1 from it), no sequence id is free, or a blob has no room
+to be restored, whole parked sequences of the stream are evicted, chosen by :class:`~kvcache_ggml.prefix.policy.LRUPolicy` (lowest retention priority first, then least
 recently used; priorities as in TensorRT-LLM, set per request with
 :class:`~kvcache_ggml.prefix.policy.Retention`; any callable can replace it).  With a host budget, an evicted
 sequence not already covered by another entry is kept as its llama.cpp state blob (``state_save(seq_id)``, its
@@ -54,12 +58,13 @@ restores and bytes (``print(pc.stats)``).
 from __future__ import annotations
 
 from .audit import check
-from .core import Admission, Match, PrefixCache, PrefixParams, SeqEntry
+from .core import Admission, Match, PrefixCache, PrefixParams
 from .host import HostEntry, HostParams, HostTier
+from .index import SeqEntry, SeqIndex
 from .policy import DEFAULT_PRIORITY, Candidate, EvictionPolicy, LRUPolicy, Retention
 from .stats import PrefixStats
-from .tree import RadixTree
+from .tree import RadixTree, common_prefix
 
-__all__ = ["PrefixCache", "PrefixParams", "SeqEntry", "Match", "Admission", "HostParams", "HostEntry", "HostTier",
-           "Retention", "Candidate", "EvictionPolicy", "LRUPolicy", "DEFAULT_PRIORITY", "PrefixStats", "RadixTree",
-           "check"]
+__all__ = ["PrefixCache", "PrefixParams", "SeqEntry", "SeqIndex", "Match", "Admission", "HostParams", "HostEntry",
+           "HostTier", "Retention", "Candidate", "EvictionPolicy", "LRUPolicy", "DEFAULT_PRIORITY", "PrefixStats",
+           "RadixTree", "common_prefix", "check"]

@@ -26,7 +26,7 @@ def check(pc: Any) -> list[str]:
     t = cells_table(pc.ctx.kv)
     t = t[t["pos"] >= 0]
     for s in range(pc.n_seq):
-        stream = 0 if pc.unified else s
+        stream = pc.stream_of(s)
         mine = t[(t["stream"] == stream) & ((t["seq_bits"][:, s // 64] >> np.uint64(s % 64)) & np.uint64(1) != 0)]
         others = t[(t["stream"] != stream) & ((t["seq_bits"][:, s // 64] >> np.uint64(s % 64)) & np.uint64(1) != 0)]
         if others.size:

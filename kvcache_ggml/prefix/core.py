@@ -1,31 +1,29 @@
 """The prefix cache proper: :class:`PrefixCache` over a runtime :class:`~kvcache_ggml.runtime.context.Context`.
 
 See the package docstring (:mod:`kvcache_ggml.prefix`) for the design.  This module holds the value objects, the
-lookup (:meth:`PrefixCache.match`), the request API (:meth:`~PrefixCache.admit`, :meth:`~PrefixCache.step`,
-:meth:`~PrefixCache.extend`, :meth:`~PrefixCache.release`, :meth:`~PrefixCache.free_seq`) and eviction to the host
-tier; the memory operations that keep the index in step with the cells live in :mod:`.ops`, the consistency check
-in :mod:`.audit`.
+lookup (:meth:`PrefixCache.match`), the request API (:meth:`~PrefixCache.attach`, :meth:`~PrefixCache.advance`,
+:meth:`~PrefixCache.release`), the choice of sequences (:meth:`~PrefixCache.pick_seq`,
+:meth:`~PrefixCache.free_seq`), room in the cache (:meth:`~PrefixCache.claim`, :meth:`~PrefixCache.evict`) and
+eviction to the host tier.  The entries, the tree and the memory operations that keep them in step with the cells
+are a :class:`~kvcache_ggml.prefix.index.SeqIndex` (:mod:`.index`); the consistency check is :mod:`.audit`.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
 from ..batch import Batch
 from ..runtime.context import DecodeError
 from .host import HostEntry, HostParams, HostTier
-from .ops import MemoryOpsMixin
+from .index import SeqEntry, SeqIndex
 from .policy import Candidate, EvictionPolicy, LRUPolicy, Retention, effective_priority
 from .stats import PrefixStats
-from .tree import RadixTree, as_tokens
+from .tree import RadixTree, common_prefix
 
-__all__ = ["PrefixCache", "PrefixParams", "SeqEntry", "Match", "Admission"]
-
-_perf = time.perf_counter
-
+__all__ = ["PrefixCache", "PrefixParams", "Match", "Admission"]
 
 @dataclass(slots=True)
 class PrefixParams:
@@ -41,25 +39,6 @@ class PrefixParams:
         if self.min_reuse < 1:
             raise ValueError(f"min_reuse must be >= 1 token, got {self.min_reuse}")
         self.host.check()
-
-
-@dataclass(slots=True, eq=False)
-class SeqEntry:
-    """A sequence of the cache that the prefix cache indexes."""
-
-    seq_id: int                      # the cache's sequence id
-    stream: int                      # the stream holding it
-    tokens: np.ndarray               # int32 [n]: token p sits at position p, in the cell a fresh decode would fill
-    clean: bool = True               # no cell of the sequence lies beyond ``tokens`` (decoding more extends them)
-    active: bool = True              # a request owns it (never evicted); False once released
-    last_used: int = 0               # tick of its last use
-    retention: Retention = field(default_factory=Retention)  # how strongly it is kept once released
-    since: float = 0.0               # clock time the retention started
-
-    def __repr__(self) -> str:
-        state = "active" if self.active else "parked"
-        return f"<seq {self.seq_id} (stream {self.stream}) {self.tokens.size} tokens, {state}" \
-               f"{'' if self.clean else ', tail'}>"
 
 
 @dataclass(slots=True)
@@ -80,27 +59,23 @@ class Match:
 
 @dataclass(slots=True)
 class Admission:
-    """What :meth:`PrefixCache.admit` did for one request."""
+    """What :meth:`PrefixCache.attach` did for one request."""
 
     seq_id: int              # the sequence now holding the request
     n_prompt: int            # tokens asked for
-    n_reused: int            # of them taken from the cache
-    n_decoded: int           # of them decoded
+    n_reused: int            # of them taken from the cache (at most n_prompt - 1)
+    n_decoded: int           # of them left to decode, with advance() (at least 1: the last token's logits)
     source: str              # "own" (the sequence itself), "device" (seq_cp), "host" (state_load) or "none"
     source_seq: int          # device: the sequence copied from; else -1
-    logits: np.ndarray | None  # float32 [n_vocab] of the last token ([n_decoded, n_vocab] with logits_all;
-                               # None from attach(), which decodes nothing)
-    seconds: float           # wall time of the admit (time to first token)
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
-    m = min(a.size, b.size, limit)
-    neq = np.flatnonzero(a[:m] != b[:m])
-    return int(neq[0]) if neq.size else m
 
+class PrefixCache:
+    """A radix-tree index of the sequences in a context's KV cache, with eviction and a host tier.
 
-class PrefixCache(MemoryOpsMixin):
-    """A radix-tree index of the sequences in a context's KV cache, with eviction and a host tier."""
+    One request API: :meth:`attach` gives a sequence the longest cached prefix of a prompt, :meth:`advance` decodes
+    chunks of several active sequences in one batch (prompt pieces and generated tokens alike), :meth:`release`
+    parks the sequence.  Memory operations (``seq_rm`` ... ``state_load``) go through the index."""
 
     def __init__(self, ctx: Any, params: PrefixParams | None = None, **kwargs: Any) -> None:
         if params is None:
@@ -110,21 +85,43 @@ class PrefixCache(MemoryOpsMixin):
         params.check()
         if ctx.closed:
             raise ValueError("the context is closed")
-        self.ctx = ctx
-        self.params = params
-        self.n_seq = int(ctx.cparams.n_seq_max)       # sequence ids 0..n_seq-1 are the prefix cache's
-        self.unified = ctx.kv.get_n_stream() == 1
-        self.tree = RadixTree()
-        self.seqs: dict[int, SeqEntry] = {}
-        self.stats = PrefixStats()
+        self.ctx = ctx                       # the runtime Context whose sequences this cache owns
+        self.params = params                 # reuse, eviction and host-tier settings
+        self.index = SeqIndex(ctx)           # the entries, their tree and the memory operations
+        self.stats = PrefixStats()           # counters (print(pc.stats))
         self.host = HostTier(params.host, self.stats, params.policy) if params.host.enabled() else None
-        self._tick = 0
+
+    @property
+    def seqs(self) -> dict[int, SeqEntry]:
+        """Sequence id -> its entry, for every sequence the cache knows (active or parked)."""
+        return self.index.seqs
+
+    @property
+    def tree(self) -> RadixTree:
+        """The radix tree of the entries (device sequences and host blobs)."""
+        return self.index.tree
+
+    @property
+    def n_seq(self) -> int:
+        """Sequence ids 0..n_seq-1 are the prefix cache's."""
+        return self.index.n_seq
+
+    @property
+    def unified(self) -> bool:
+        """One stream holds every sequence (``kv_unified``)."""
+        return self.index.unified
+
+    def stream_of(self, seq_id: int) -> int:
+        """The stream holding sequence ``seq_id`` (0 in a unified cache): tokens meant for sequences of one stream
+        compete for its cells."""
+        self.index.check_seq(seq_id)
+        return self.index.stream_of(seq_id)
 
     # ------------------------------------------------------------------ lookup
 
     def match(self, tokens: Sequence[int], limit: int | None = None) -> Match:
         """The longest prefix of ``tokens`` (at most ``limit`` tokens) held by a cached sequence or host blob."""
-        toks = self._tokens(tokens)
+        toks = self.index.check_tokens(tokens)
         if not self.params.reuse:
             return Match()
         while True:
@@ -139,58 +136,38 @@ class PrefixCache(MemoryOpsMixin):
 
     # ------------------------------------------------------------------ requests
 
-    def admit(self, tokens: Sequence[int], seq_id: int, *, retention: Retention | None = None,
-              logits_all: bool = False) -> Admission:
-        """Make ``seq_id`` hold ``tokens``: reuse the longest cached prefix (its own, ``seq_cp`` from another
-        sequence, or a host blob), decode the rest, return the logits of the last token.
-
-        The last token is always decoded (its logits are the answer).  The sequence is active until
-        :meth:`release`.  Parked sequences are evicted as room is needed; ``DecodeError`` when none is left.
-        """
-        t0 = _perf()
-        adm = self.attach(tokens, seq_id, retention=retention)
-        e = self.seqs[seq_id]
-        try:
-            adm.logits = self._decode_into(e, self._tokens(tokens)[adm.n_reused:], logits_all)
-        except BaseException:
-            e.active = False  # what was decoded stays cached, parked
-            self._settle(e)
-            raise
-        adm.seconds = _perf() - t0
-        return adm
-
     def attach(self, tokens: Sequence[int], seq_id: int, *, retention: Retention | None = None) -> Admission:
-        """The first half of :meth:`admit`: make ``seq_id`` hold the longest cached prefix of ``tokens`` (at most
-        all but the last token) and mark it active, decoding nothing; ``logits`` is None and ``n_decoded`` the
-        tokens left to decode (with :meth:`advance`, in chunks a serving loop chooses)."""
-        t0 = _perf()
-        toks = self._tokens(tokens)
+        """Make ``seq_id`` hold the longest cached prefix of ``tokens`` (its own, ``seq_cp`` from another sequence,
+        or a host blob; at most all but the last token) and mark it active, decoding nothing: ``n_decoded`` of the
+        admission is the tokens left to decode with :meth:`advance` (in chunks the caller chooses; the last one's
+        logits are the answer).  The sequence is active until :meth:`release`."""
+        toks = self.index.check_tokens(tokens)
         if toks.size == 0:
-            raise ValueError("admit needs at least one token")
-        self._check_seq(seq_id)
+            raise ValueError("attach needs at least one token")
+        self.index.check_seq(seq_id)
         own = self.seqs.get(seq_id)
         if own is not None and own.active:
             raise RuntimeError(f"sequence {seq_id} is serving a request; release() it first")
         if own is None and self.ctx.memory_seq_pos_max(seq_id) >= 0:
-            own = self._adopt(seq_id)  # cells put there behind the prefix cache's back: removed below
+            own = self.index.adopt(seq_id)  # cells put there behind the prefix cache's back: removed below
         retention = retention or Retention()
         retention.check()
-        self._tick += 1
+        tick = self._touch()
         limit = toks.size - 1
         m = self.match(toks, limit)
-        own_n = _common_prefix(own.tokens, toks, limit) if own is not None and self.params.reuse else 0
+        own_n = common_prefix(own.tokens, toks, limit) if own is not None and self.params.reuse else 0
         if own is not None and own_n >= max(m.n_tokens, self.params.min_reuse):
             n, source, src = own_n, "own", seq_id
-            self._truncate_seq(own, own_n)
+            self.index.truncate(own, own_n)
             e = own
         else:
             if own is not None:
                 self._retire(own, keep=True)
                 m = self.match(toks, limit)  # the retirement may have changed the host tier
-            e = SeqEntry(seq_id, self._stream_of(seq_id), toks[:0].copy())
+            e = SeqEntry(seq_id, self.index.stream_of(seq_id), toks[:0].copy())
             self.seqs[seq_id] = e
             n, source, src = self._reuse(m, e), m.tier, m.seq_id
-        e.active, e.last_used, e.retention, e.since = True, self._tick, retention, self.params.clock()
+        e.active, e.last_used, e.retention, e.since = True, tick, retention, self.params.clock()
         if n == 0:
             source, src = "none", -1
         st = self.stats
@@ -200,36 +177,7 @@ class PrefixCache(MemoryOpsMixin):
         st.hits_device += source in ("own", "device")
         st.hits_host += source == "host"
         st.misses += source == "none"
-        return Admission(seq_id, toks.size, n, toks.size - n, source, src, None, _perf() - t0)
-
-    def extend(self, seq_id: int, tokens: Sequence[int], logits_all: bool = False) -> np.ndarray:
-        """Decode more tokens into an active sequence; the logits of the last (or of every) token."""
-        e = self._active(seq_id)
-        toks = self._tokens(tokens)
-        if toks.size == 0:
-            raise ValueError("extend needs at least one token")
-        self._tick += 1
-        e.last_used = self._tick
-        return self._decode_into(e, toks, logits_all)
-
-    def step(self, seq_ids: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
-        """One generation step: token i appended to active sequence ``seq_ids[i]``, all in one batch; float32
-        [len(seq_ids), n_vocab] logits."""
-        ids = np.asarray(seq_ids, np.int32).reshape(-1)
-        toks = self._tokens(tokens)
-        if ids.size != toks.size or ids.size == 0 or np.unique(ids).size != ids.size:
-            raise ValueError(f"step needs one token for each of distinct sequences, got {toks.size} tokens for "
-                             f"sequences {ids.tolist()}")
-        entries = [self._active(int(s)) for s in ids.tolist()]
-        self._tick += 1
-        logits = self._decode(Batch(token=toks, seq_id=ids, logits=np.ones(ids.size, np.int8)),
-                              {e.stream for e in entries})
-        for k, e in enumerate(entries):
-            e.last_used = self._tick
-            if e.clean:
-                self._append(e, toks[k:k + 1])
-        self.stats.tokens_decoded += ids.size
-        return logits
+        return Admission(seq_id, toks.size, n, toks.size - n, source, src)
 
     def advance(self, parts: Sequence[tuple[int, Sequence[int], bool]]) -> list[np.ndarray | None]:
         """Decode several active sequences' next tokens in one batch: ``parts`` are (seq_id, tokens, want_logits)
@@ -241,7 +189,7 @@ class PrefixCache(MemoryOpsMixin):
             raise ValueError("advance needs at least one part")
         entries, chunks = [], []
         for seq_id, tokens, _ in parts:
-            toks = self._tokens(tokens)
+            toks = self.index.check_tokens(tokens)
             if toks.size == 0:
                 raise ValueError(f"advance: sequence {seq_id} has no tokens")
             entries.append(self._active(int(seq_id)))
@@ -257,13 +205,13 @@ class PrefixCache(MemoryOpsMixin):
         want = np.array([bool(p[2]) for p in parts])
         flags[ends[want]] = 1
         seq = np.repeat(np.array([e.seq_id for e in entries], np.int32), sizes)
-        self._tick += 1
+        tick = self._touch()
         logits = self._decode(Batch(token=np.concatenate(chunks), seq_id=seq, logits=flags),
                               {e.stream for e in entries})
         for e, c in zip(entries, chunks):
-            e.last_used = self._tick
+            e.last_used = tick
             if e.clean:
-                self._append(e, c)
+                self.index.append(e, c)
         self.stats.tokens_decoded += n
         rows = iter(logits)  # (the decode's own new array: its rows need no copy)
         return [next(rows) if w else None for w in want.tolist()]
@@ -272,10 +220,11 @@ class PrefixCache(MemoryOpsMixin):
         """The request on ``seq_id`` is done: its sequence stays cached (parked) until evicted."""
         e = self._active(seq_id)
         e.active = False
-        self._tick += 1
-        e.last_used = self._tick
+        e.last_used = self._touch()
         if e.tokens.size == 0 and self.ctx.memory_seq_pos_max(seq_id) < 0:
-            self._drop_entry(e)
+            self.index.drop(e)
+
+    # ------------------------------------------------------------------ sequences and room
 
     def free_seq(self, exclude: Sequence[int] = ()) -> int:
         """A sequence id holding nothing, evicting a parked sequence (by the policy) when none is free."""
@@ -284,7 +233,7 @@ class PrefixCache(MemoryOpsMixin):
             if s not in self.seqs and s not in skip:
                 if self.ctx.memory_seq_pos_max(s) < 0:
                     return s
-                self._adopt(s)
+                self.index.adopt(s)
         victim = self._victim([e for e in self.seqs.values() if not e.active and e.seq_id not in skip])
         if victim is None:
             raise ValueError(f"no free sequence: all {self.n_seq} sequences serve requests")
@@ -292,9 +241,9 @@ class PrefixCache(MemoryOpsMixin):
         return victim.seq_id
 
     def pick_seq(self, tokens: Sequence[int]) -> int:
-        """The sequence a server should admit ``tokens`` on: a parked sequence whose whole content the request
+        """The sequence a server should attach ``tokens`` to: a parked sequence whose whole content the request
         extends (reused in place), else a free (or freed) sequence -- never the best holder of its prefix."""
-        toks = self._tokens(tokens)
+        toks = self.index.check_tokens(tokens)
         m = self.match(toks, toks.size - 1)
         holder = m.entry if m.tier == "device" and not m.entry.active else None
         if holder is not None and m.n_tokens == holder.tokens.size:
@@ -314,6 +263,59 @@ class PrefixCache(MemoryOpsMixin):
         if e.active:
             raise RuntimeError(f"sequence {seq_id} is serving a request; release() it first")
         self._retire(e, keep)
+
+    def claim(self, need: Mapping[int, int], keep: Collection[int] = ()) -> bool:
+        """Room for a batch before it is decoded: for each stream s, ``need[s]`` free cells, evicting parked
+        sequences of that stream (by the policy, kept as host blobs where a host tier takes them; never an active
+        one, never a sequence in ``keep``) until ``ctx.kv.get_size() - ctx.kv.get_used(s) >= need[s]``.  Whether
+        every stream now has its room; the evictions done stay done.  A need beyond a stream's size evicts nothing
+        (it can never fit).  ValueError for a stream or a count out of range, before any eviction."""
+        n_stream, size = self.ctx.kv.get_n_stream(), self.ctx.kv.get_size()
+        for s, n in need.items():
+            if not 0 <= s < n_stream:
+                raise ValueError(f"claim: stream {s} out of range [0, {n_stream})")
+            if n < 0:
+                raise ValueError(f"claim: stream {s} needs {n} cells, expected >= 0")
+        kept = set(keep)
+        ok = True
+        for s, n in need.items():
+            ok &= n <= size and self._make_room(s, n, kept)
+        return ok
+
+    # ------------------------------------------------------------------ memory operations (through the index)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """``ctx.memory_seq_rm`` with the index cut to match."""
+        return self.index.seq_rm(seq_id, p0, p1)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """``ctx.memory_seq_add`` with the index cut to match (every sequence sharing a moved cell)."""
+        self.index.seq_add(seq_id, p0, p1, delta)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """``ctx.memory_seq_div`` with the index cut to match (every sequence sharing a moved cell)."""
+        self.index.seq_div(seq_id, p0, p1, d)
+
+    def seq_keep(self, seq_id: int) -> None:
+        """``ctx.memory_seq_keep`` with the index cut to match."""
+        self.index.seq_keep(seq_id)
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        """``ctx.memory_seq_cp``; the destination indexed as holding what it now holds of the source."""
+        self.index.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+
+    def context_shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
+        """``ctx.context_shift`` with the index cut to match (every sequence sharing a moved cell)."""
+        self.index.context_shift(seq_id, n_keep, n_discard)
+
+    def clear(self, data: bool = True) -> None:
+        """``ctx.memory_clear``: every parked entry goes, active ones are emptied."""
+        self.index.clear(data)
+
+    def state_load(self, data: Any, seq_id: int = -1, tokens: Any = None) -> int:
+        """Restore the whole cache (``seq_id`` -1) or one sequence from a blob, indexed as holding ``tokens`` when
+        given (see :meth:`SeqIndex.state_load <kvcache_ggml.prefix.index.SeqIndex.state_load>`)."""
+        return self.index.state_load(data, seq_id, tokens)
 
     # ------------------------------------------------------------------ inspection
 
@@ -345,11 +347,11 @@ class PrefixCache(MemoryOpsMixin):
         n, s = m.n_tokens, e.seq_id
         if m.tier == "device":
             src: SeqEntry = m.entry
-            src.last_used = self._tick
+            src.last_used = self.index.tick
             if src.stream == e.stream:
                 self.ctx.memory_seq_cp(src.seq_id, s, 0, n)
             else:
-                self._stream_copy(src.seq_id, s)
+                self.index.stream_copy(src.seq_id, s)
                 if self.ctx.memory_seq_pos_max(s) >= n:
                     self.ctx.memory_seq_rm(s, n, -1)
         elif m.tier == "host":
@@ -358,18 +360,14 @@ class PrefixCache(MemoryOpsMixin):
             if m.entry.tokens.size > n:
                 self.ctx.memory_seq_rm(s, n, -1)
         if n:
-            self._set_tokens(e, m.entry.tokens[:n].copy())
+            self.index.set_tokens(e, m.entry.tokens[:n].copy())
         e.clean = self.ctx.memory_seq_pos_max(s) + 1 == n
         return n
 
     def _restore(self, h: HostEntry, e: SeqEntry) -> bool:
         """Load blob ``h`` into the sequence of ``e``, evicting parked sequences for room; False if impossible."""
-        need = h.tokens.size
-        while self._free_cells(e.stream) < need:
-            v = self._victim([x for x in self.seqs.values() if not x.active and x.stream == e.stream])
-            if v is None:
-                return False
-            self._retire(v, keep=True)
+        if not self._make_room(e.stream, h.tokens.size, set()):
+            return False
         try:
             if h.blob is not None:
                 self.ctx.state_seq_set_data(h.blob, e.seq_id)
@@ -383,28 +381,9 @@ class PrefixCache(MemoryOpsMixin):
             self.tree.remove(h, h.tokens)
             self.host.drop(h)
             return False
-        h.last_used = self._tick
+        h.last_used = self.index.tick
         self.stats.host_restores += 1
         return True
-
-    def _decode_into(self, e: SeqEntry, toks: np.ndarray, logits_all: bool) -> np.ndarray:
-        """Decode ``toks`` into the sequence of ``e`` in n_batch chunks (the tokens join ``e`` if it is clean)."""
-        n_batch = self.ctx.cparams.n_batch
-        rows = []
-        for i in range(0, toks.size, n_batch):
-            chunk = toks[i:i + n_batch]
-            flags = np.zeros(chunk.size, np.int8)
-            if logits_all:
-                flags[:] = 1
-            elif i + n_batch >= toks.size:
-                flags[-1] = 1
-            out = self._decode(Batch(token=chunk, seq_id=np.full(chunk.size, e.seq_id, np.int32), logits=flags),
-                               {e.stream})
-            rows.append(out.copy())
-            if e.clean:
-                self._append(e, chunk)
-            self.stats.tokens_decoded += chunk.size
-        return np.concatenate(rows) if logits_all else rows[-1][-1]
 
     def _decode(self, batch: Batch, streams: set[int]) -> np.ndarray:
         """ctx.decode, evicting parked sequences of ``streams`` while the cache has no slot for the batch."""
@@ -420,6 +399,17 @@ class PrefixCache(MemoryOpsMixin):
                 self._retire(v, keep=True)
 
     # ------------------------------------------------------------------ eviction
+
+    def _make_room(self, stream: int, n: int, keep: set[int]) -> bool:
+        """Evict parked sequences of ``stream`` (not those in ``keep``) until n cells are free; whether they are."""
+        kv = self.ctx.kv
+        while kv.get_size() - kv.get_used(stream) < n:
+            v = self._victim([e for e in self.seqs.values()
+                              if not e.active and e.stream == stream and e.seq_id not in keep])
+            if v is None:
+                return False
+            self._retire(v, keep=True)
+        return True
 
     def _victim(self, pool: list[SeqEntry]) -> SeqEntry | None:
         if not pool:
@@ -439,7 +429,7 @@ class PrefixCache(MemoryOpsMixin):
                 self.ctx.memory_seq_rm(s, e.tokens.size, -1)  # the blob holds the indexed prefix only
             blob = self.ctx.state_seq_get_data(s)
             now = self.params.clock()
-            h, dropped = self.host.put(e.tokens, blob, self._tick, e.retention, e.since, now)
+            h, dropped = self.host.put(e.tokens, blob, self.index.tick, e.retention, e.since, now)
             for d in dropped:
                 self.tree.remove(d, d.tokens)
             if h is not None:
@@ -450,7 +440,7 @@ class PrefixCache(MemoryOpsMixin):
                         self.host.drop(old)
                 self.tree.insert(h, h.tokens)
         self.ctx.memory_seq_rm(s, -1, -1)
-        self._drop_entry(e)
+        self.index.drop(e)
         self.stats.evictions += 1
 
     def _covered(self, e: SeqEntry) -> bool:
@@ -460,33 +450,10 @@ class PrefixCache(MemoryOpsMixin):
 
     # ------------------------------------------------------------------ entries
 
-    def _set_tokens(self, e: Any, tokens: np.ndarray) -> None:
-        if e in self.tree:
-            self.tree.remove(e, e.tokens)
-        e.tokens = tokens
-        if tokens.size:
-            self.tree.insert(e, tokens)
-
-    def _append(self, e: SeqEntry, more: np.ndarray) -> None:
-        """``e`` now also holds ``more`` after its tokens."""
-        old = e.tokens
-        e.tokens = np.concatenate([old, more])
-        if old.size:
-            self.tree.extend(e, old, more)
-        else:
-            self.tree.insert(e, e.tokens)
-
-    def _drop_entry(self, e: SeqEntry) -> None:
-        if e in self.tree:
-            self.tree.remove(e, e.tokens)
-        del self.seqs[e.seq_id]
-
-    def _adopt(self, s: int) -> SeqEntry:
-        """An entry for a sequence found in the cache without one (content unknown: nothing indexed)."""
-        e = SeqEntry(s, self._stream_of(s), np.zeros(0, np.int32), clean=False, active=False,
-                     last_used=self._tick)
-        self.seqs[s] = e
-        return e
+    def _touch(self) -> int:
+        """The next tick of the use counter (the entries' and blobs' ``last_used``)."""
+        self.index.tick += 1
+        return self.index.tick
 
     def _audit(self, e: SeqEntry) -> bool:
         """Cheap check of an entry against its cells (seq_pos_min/max); a stale entry is emptied."""
@@ -495,32 +462,14 @@ class PrefixCache(MemoryOpsMixin):
         if n == 0 or (pmin == 0 and pmax >= n - 1 and (not e.clean or pmax == n - 1)):
             return True
         self.stats.stale += 1
-        self._set_tokens(e, e.tokens[:0])
-        self._settle(e)
+        self.index.cut(e.seq_id, 0)
         return False
 
     def _active(self, seq_id: int) -> SeqEntry:
         e = self.seqs.get(seq_id)
         if e is None or not e.active:
-            raise RuntimeError(f"sequence {seq_id} serves no request (admit() it first)")
+            raise RuntimeError(f"sequence {seq_id} serves no request (attach() it first)")
         return e
-
-    def _check_seq(self, seq_id: int) -> None:
-        if not 0 <= seq_id < self.n_seq:
-            raise ValueError(f"seq_id {seq_id} out of range [0, {self.n_seq})")
-
-    def _stream_of(self, seq_id: int) -> int:
-        return 0 if self.unified else seq_id
-
-    def _free_cells(self, stream: int) -> int:
-        cells = self.ctx.kv.v_cells[stream]
-        return cells.size() - cells.get_used()
-
-    def _tokens(self, tokens: Any) -> np.ndarray:
-        toks = as_tokens(tokens)
-        if toks.size and int(toks.max()) >= self.ctx.n_vocab:
-            raise ValueError(f"token id {int(toks.max())} out of range [0, n_vocab={self.ctx.n_vocab})")
-        return toks
 
 
 def _holder_rank(h: Any) -> tuple:

@@ -39,7 +39,7 @@ class Candidate:
     entry: Any          # the device or host entry (returned as the victim)
     n_tokens: int       # tokens of the prefix it holds
     nbytes: int         # bytes it occupies (host blobs; 0 for device sequences)
-    last_used: int      # tick of its last use (admit, reuse, decode); larger is more recent
+    last_used: int      # tick of its last use (attach, reuse, decode); larger is more recent
     priority: int       # retention priority in effect now
 
 

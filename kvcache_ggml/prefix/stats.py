@@ -10,11 +10,11 @@ __all__ = ["PrefixStats"]
 class PrefixStats:
     """What the prefix cache did since it was made (or since :meth:`reset`)."""
 
-    requests: int = 0          # admit() calls
-    hits_device: int = 0       # admits that reused a prefix held by a sequence on the device (its own included)
-    hits_host: int = 0         # admits that restored a prefix from a host blob (RAM or disk)
-    misses: int = 0            # admits that found no reusable prefix
-    tokens_requested: int = 0  # prompt tokens asked for by admit()
+    requests: int = 0          # attach() calls
+    hits_device: int = 0       # attaches that reused a prefix held by a sequence on the device (its own included)
+    hits_host: int = 0         # attaches that restored a prefix from a host blob (RAM or disk)
+    misses: int = 0            # attaches that found no reusable prefix
+    tokens_requested: int = 0  # prompt tokens asked for by attach()
     tokens_reused: int = 0     # prompt tokens taken from the cache instead of decoded
     tokens_decoded: int = 0    # tokens decoded through the prefix cache (prompts and generation steps)
     evictions: int = 0         # device sequences evicted to make room
@@ -36,7 +36,7 @@ class PrefixStats:
             setattr(self, f.name, keep.get(f.name, 0))
 
     def hit_rate(self) -> float:
-        """Fraction of admits that reused a prefix."""
+        """Fraction of attaches that reused a prefix."""
         return (self.hits_device + self.hits_host) / self.requests if self.requests else 0.0
 
     def reuse_rate(self) -> float:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-__all__ = ["Node", "RadixTree", "as_tokens"]
+__all__ = ["Node", "RadixTree", "as_tokens", "common_prefix"]
 
 _EMPTY = np.zeros(0, np.int32)
 
@@ -30,11 +30,17 @@ def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
     return a.astype(np.int32, copy=False)
 
 
+def common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
+    """Length of the common prefix of the int arrays ``a`` and ``b``, at most ``limit`` (one vectorised compare,
+    no per-token loop)."""
+    m = max(0, min(a.size, b.size, limit))
+    neq = np.flatnonzero(a[:m] != b[:m])
+    return int(neq[0]) if neq.size else m
+
+
 def _common(edge: np.ndarray, tokens: np.ndarray, d: int, n: int) -> int:
     """Length of the common prefix of ``edge`` and ``tokens[d:n]``."""
-    m = min(edge.size, n - d)
-    neq = np.flatnonzero(edge[:m] != tokens[d:d + m])
-    return int(neq[0]) if neq.size else m
+    return common_prefix(edge, tokens[d:], n - d)
 
 
 class Node:
