@@ -10,6 +10,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from kvcache_ggml.serve import protocol as P
 from kvcache_ggml.serve.protocol import RequestError, parse_chat, parse_completion
+from kvcache_ggml.serve.results import Usage
 
 
 def _err(fn, body) -> RequestError:
@@ -193,7 +194,7 @@ def _roundtrip(d):
 
 def test_completion_response_parses_as_openai():
     lp = P.completion_logprobs(["He", "llo"], [-0.5, -math.inf], [{"He": -0.5, "A": -1.0}, {"llo": -2.0}], [0, 2])
-    d = _roundtrip(P.completion_response("cmpl-1", 123, "m", "Hello", "length", P.usage_dict(4, 2, 3), lp))
+    d = _roundtrip(P.completion_response("cmpl-1", 123, "m", "Hello", "length", P.usage_dict(Usage(4, 2, 3)), lp))
     c = Completion.model_validate(d)
     assert c.id == "cmpl-1" and c.object == "text_completion" and c.created == 123 and c.model == "m"
     ch = c.choices[0]
@@ -209,7 +210,7 @@ def test_completion_chunks():
     assert last.choices[0].text == "!" and last.choices[0].finish_reason == "stop" and last.usage is None
     mid = P.completion_chunk("c", 1, "m", "x")
     assert mid["choices"][0]["finish_reason"] is None and mid["object"] == "text_completion"
-    u = Completion.model_validate(_roundtrip(P.usage_chunk("c", 1, "m", P.usage_dict(1, 2), chat=False)))
+    u = Completion.model_validate(_roundtrip(P.usage_chunk("c", 1, "m", P.usage_dict(Usage(1, 2, 0)), chat=False)))
     assert u.choices == [] and u.usage.total_tokens == 3
 
 
@@ -217,7 +218,7 @@ def test_chat_response_and_chunks_parse_as_openai():
     top = [("a", b"a", -0.1), ("\u00e9", "\u00e9".encode(), -2.5)]
     lp = [P.chat_token_logprob("a", b"a", -0.1, top)]
     c = ChatCompletion.model_validate(_roundtrip(
-        P.chat_response("chatcmpl-1", 5, "m", "a", "stop", P.usage_dict(3, 1), lp)))
+        P.chat_response("chatcmpl-1", 5, "m", "a", "stop", P.usage_dict(Usage(3, 1, 0)), lp)))
     assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
     assert c.choices[0].message.content == "a" and c.choices[0].finish_reason == "stop"
     e = c.choices[0].logprobs.content[0]
@@ -234,8 +235,8 @@ def test_chat_response_and_chunks_parse_as_openai():
     assert mid.choices[0].delta.content == "a" and mid.choices[0].logprobs.content[0].token == "a"
     end = ChatCompletionChunk.model_validate(_roundtrip(P.chat_chunk("chatcmpl-1", 5, "m", {}, "length")))
     assert end.choices[0].finish_reason == "length" and end.choices[0].delta.content is None
-    u = ChatCompletionChunk.model_validate(_roundtrip(P.usage_chunk("chatcmpl-1", 5, "m", P.usage_dict(3, 1),
-                                                                    chat=True)))
+    usage = P.usage_dict(Usage(3, 1, 0))
+    u = ChatCompletionChunk.model_validate(_roundtrip(P.usage_chunk("chatcmpl-1", 5, "m", usage, chat=True)))
     assert u.choices == [] and u.usage.completion_tokens == 1
 
 

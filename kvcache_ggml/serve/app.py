@@ -39,7 +39,7 @@ from starlette.routing import Route
 from . import protocol as P
 from .chat import ChatTemplate
 from .engine import Engine, Event, Job, QueueFull
-from .results import TokenLogprob
+from .formatters import ChatFormatter, CompletionFormatter, Formatter
 from .sampling import Sampler
 from .text import TextStream
 
@@ -73,18 +73,16 @@ def _sse(obj: Any) -> str:
 class _Prepared:
     """A parsed request turned into a job, and what its answer needs."""
 
-    __slots__ = ("chat", "req", "job", "queue", "id", "created", "text_sse")
+    __slots__ = ("fmt", "req", "job", "queue", "id", "created", "text_sse")
 
-    def __init__(self, chat: bool, req: Any, job: Job, queue: asyncio.Queue, model: str) -> None:
-        self.chat, self.req, self.job, self.queue = chat, req, job, queue
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    def __init__(self, fmt: Formatter, req: Any, job: Job, queue: asyncio.Queue, model: str) -> None:
+        self.fmt, self.req, self.job, self.queue = fmt, req, job, queue
+        self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        # a text chunk without logprobs, as the builders write it, with the text's JSON string in the middle: one
+        # a text chunk without logprobs, as the formatter writes it, with the text's JSON string in the middle: one
         # string join per token instead of a dict and a json.dumps of it (the event loop shares 2 cores with ggml)
         probe = "\u0000"
-        chunk = (P.chat_chunk(self.id, self.created, model, {"content": probe}) if chat
-                 else P.completion_chunk(self.id, self.created, model, probe))
-        head, tail = _sse(chunk).split(json.dumps(probe))
+        head, tail = _sse(fmt.text_chunk(self.id, self.created, model, probe)).split(json.dumps(probe))
         self.text_sse = (head, tail)
 
 
@@ -122,6 +120,8 @@ class _Api:
         self.n_vocab = len(vocab.tokens)
         # the end-of-generation ids (ignore_eos masks them), found once
         self.eog = np.array([t for t in range(self.n_vocab) if vocab.is_eog(t)], np.int32)
+        self.chat = ChatFormatter(vocab, svc.template, svc.model_name)   # /v1/chat/completions
+        self.completion = CompletionFormatter(vocab)                     # /v1/completions
 
     def warm_up(self) -> None:
         """Run the text side once -- parsing, the chat template, the tokenizer, a chunk's JSON -- so that the first
@@ -129,14 +129,13 @@ class _Api:
         server they added about 25 ms to the first request's time to first token."""
         msgs = [{"role": "user", "content": "Hello, world."}]
         body = {"model": self.svc.model_name, "messages": msgs, "prompt": "Hello", "stream": True, "max_tokens": 1}
-        self.prompt_tokens(P.parse_completion(body), chat=False)
-        if self.svc.template is not None:
+        for fmt in (self.completion, self.chat):
             try:
-                self.prompt_tokens(P.parse_chat(body), chat=True)
+                fmt.prompt(fmt.parse(body))
             except P.RequestError:
-                pass  # (a template that refuses this conversation: it is warmed as far as it goes)
+                pass  # (no chat template, or one that refuses this conversation: warmed as far as it goes)
+            _sse(fmt.text_chunk(f"{fmt.id_prefix}-0", 0, self.svc.model_name, "Hello"))
         self.vocab.detokenize(self.vocab.tokenize("Hello, world.", add_special=False))
-        _sse(P.chat_chunk("chatcmpl-0", 0, self.svc.model_name, {"content": "Hello"}))
 
     # ------------------------------------------------------------------ reading a request
 
@@ -166,29 +165,14 @@ class _Api:
         except (ValueError, UnicodeDecodeError) as err:
             raise P.RequestError(f"the body is not valid JSON: {err}") from None
 
-    def prompt_tokens(self, req: Any, chat: bool) -> np.ndarray:
-        vocab, svc = self.vocab, self.svc
-        if chat:
-            if svc.template is None:
-                raise P.RequestError(f"model {svc.model_name!r} has no chat template (tokenizer.chat_template); "
-                                     "use /v1/completions", param="messages")
-            text = svc.template.render(req.messages, add_generation_prompt=True, **req.chat_template_kwargs)
-            bos = vocab.tokens[vocab.bos] if vocab.bos >= 0 else ""
-            if vocab.add_bos and bos and text.startswith(bos):
-                text = text[len(bos):]  # tokenize adds it (llama.cpp's common_chat_templates_apply does the same)
-            return np.array(vocab.tokenize(text, add_special=True, parse_special=True), np.int32)
-        if isinstance(req.prompt, list):
-            return np.array(req.prompt, np.int32)
-        return np.array(vocab.tokenize(req.prompt, add_special=True, parse_special=True), np.int32)
-
-    async def prepare(self, request: Request, chat: bool) -> _Prepared:
+    async def prepare(self, request: Request, fmt: Formatter) -> _Prepared:
         body = await self.body_of(request)
-        req = P.parse_chat(body) if chat else P.parse_completion(body)
+        req = fmt.parse(body)
         if req.model != self.svc.model_name:
             raise P.RequestError(f"model {req.model!r} is not served (served: {self.svc.model_name!r})",
                                  param="model", code="model_not_found")
         req.check_vocab(self.n_vocab)
-        tokens = self.prompt_tokens(req, chat)
+        tokens = fmt.prompt(req)
         sp = req.sampling
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -204,34 +188,8 @@ class _Api:
             raise P.RequestError(f"the server is busy: {err}", status=503, type="server_error",
                                  code="queue_full") from None
         except ValueError as err:
-            raise P.RequestError(str(err), param="messages" if chat else "prompt",
-                                 code="context_length_exceeded") from None
-        return _Prepared(chat, req, job, queue, self.svc.model_name)
-
-    # ------------------------------------------------------------------ logprobs in OpenAI's two shapes
-
-    def piece(self, t: int) -> tuple[str, bytes]:
-        b = self.vocab.token_to_piece(int(t))
-        return b.decode("utf-8", errors="replace"), b
-
-    def chat_lps(self, lps: list[TokenLogprob]) -> list[dict]:
-        out = []
-        for d in lps:
-            text, raw = self.piece(d.id)
-            top = [(*self.piece(i), lp) for i, lp in d.top]
-            out.append(P.chat_token_logprob(text, raw, d.logprob, top))
-        return out
-
-    def completion_lps(self, lps: list[TokenLogprob], offset: int) -> dict:
-        toks, lp, tops, offs = [], [], [], []
-        for d in lps:
-            text = self.piece(d.id)[0]
-            toks.append(text)
-            lp.append(d.logprob)
-            tops.append({self.piece(i)[0]: x for i, x in d.top})
-            offs.append(offset)
-            offset += len(text)
-        return P.completion_logprobs(toks, lp, tops, offs)
+            raise P.RequestError(str(err), param=fmt.param, code="context_length_exceeded") from None
+        return _Prepared(fmt, req, job, queue, self.svc.model_name)
 
     # ------------------------------------------------------------------ answers
 
@@ -274,22 +232,14 @@ class _Api:
             return Response(status_code=499)
         if end.kind == "error":
             return _error(P.RequestError(end.text, status=500, type="server_error"))
-        u = end.usage
-        usage = P.usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-        content, name = "".join(text), self.svc.model_name
         want_lp = p.job.top_logprobs >= 0
-        if p.chat:
-            body = P.chat_response(p.id, p.created, name, content, end.finish_reason, usage,
-                                   self.chat_lps(lps) if want_lp else None)
-        else:
-            body = P.completion_response(p.id, p.created, name, content, end.finish_reason, usage,
-                                         self.completion_lps(lps, 0) if want_lp else None)
-        return JSONResponse(body)
+        return JSONResponse(p.fmt.response(p.id, p.created, self.svc.model_name, "".join(text), end.finish_reason,
+                                           end.usage, lps if want_lp else None))
 
     async def stream(self, p: _Prepared, request: Request) -> AsyncIterator[str]:
-        name = self.svc.model_name
-        if p.chat:
-            yield _sse(P.chat_chunk(p.id, p.created, name, {"role": "assistant", "content": ""}))
+        first = p.fmt.first_chunk(p.id, p.created, self.svc.model_name)
+        if first is not None:
+            yield _sse(first)
         offset = [0]
         async for evs in self.events(p, request, poll=False):
             yield "".join(self.chunk(p, ev, offset) for ev in evs)  # (the events that arrived: one write)
@@ -297,35 +247,25 @@ class _Api:
 
     def chunk(self, p: _Prepared, ev: Event, offset: list[int]) -> str:
         """The server-sent event(s) of one engine event (``offset``: the text's length so far, updated)."""
-        name, want_lp = self.svc.model_name, p.job.top_logprobs >= 0
-        if ev.kind == "text" and not want_lp:
+        name, fmt = self.svc.model_name, p.fmt
+        if ev.kind == "text" and p.job.top_logprobs < 0:
             head, tail = p.text_sse
             offset[0] += len(ev.text)
             return head + json.dumps(ev.text, ensure_ascii=False) + tail
         if ev.kind == "text":
-            if p.chat:
-                out = _sse(P.chat_chunk(p.id, p.created, name, {"content": ev.text}, None,
-                                        self.chat_lps(ev.logprobs) if want_lp else None))
-            else:
-                out = _sse(P.completion_chunk(p.id, p.created, name, ev.text, None,
-                                              self.completion_lps(ev.logprobs, offset[0]) if want_lp else None))
+            out = _sse(fmt.text_chunk(p.id, p.created, name, ev.text, ev.logprobs, offset[0]))
             offset[0] += len(ev.text)
             return out
         if ev.kind == "error":
             return _sse(P.RequestError(ev.text, status=500, type="server_error").body())
-        if p.chat:
-            out = _sse(P.chat_chunk(p.id, p.created, name, {}, ev.finish_reason))
-        else:
-            out = _sse(P.completion_chunk(p.id, p.created, name, "", ev.finish_reason))
+        out = _sse(fmt.final_chunk(p.id, p.created, name, ev.finish_reason))
         if p.req.stream_include_usage:
-            u = ev.usage
-            usage = P.usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-            out += _sse(P.usage_chunk(p.id, p.created, name, usage, p.chat))
+            out += _sse(fmt.usage_chunk(p.id, p.created, name, ev.usage))
         return out
 
-    async def generate(self, request: Request, chat: bool) -> Response:
+    async def generate(self, request: Request, fmt: Formatter) -> Response:
         try:
-            p = await self.prepare(request, chat)
+            p = await self.prepare(request, fmt)
         except P.RequestError as e:
             return _error(e, {"Retry-After": str(self.svc.retry_after)} if e.status == 503 else None)
         except ClientDisconnect:
@@ -338,10 +278,10 @@ class _Api:
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, request: Request) -> Response:
-        return await self.generate(request, chat=False)
+        return await self.generate(request, self.completion)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self.generate(request, chat=True)
+        return await self.generate(request, self.chat)
 
     async def health(self, request: Request) -> Response:
         if not self.eng.ready.is_set():  # (llama-server's answer while it loads and warms up)

@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .results import Usage
+
 __all__ = ["RequestError", "SamplingParams", "CompletionRequest", "ChatRequest", "parse_completion", "parse_chat",
            "usage_dict", "completion_response", "completion_chunk", "completion_logprobs", "chat_response",
            "chat_chunk", "chat_token_logprob", "usage_chunk", "models_response", "ROLES", "MIN_LOGPROB"]
@@ -339,11 +341,10 @@ def _lp(x: float) -> float:
     return max(float(x), MIN_LOGPROB)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object (``cached_tokens``: prompt tokens whose cache was reused)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    """OpenAI's usage object (``prompt_tokens_details.cached_tokens``: prompt tokens whose cache was reused)."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 def completion_logprobs(tokens: Sequence[str], token_logprobs: Sequence[float],
