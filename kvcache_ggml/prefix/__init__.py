@@ -46,9 +46,10 @@ Eviction and the host tier
 --------------------------
 A released request leaves its sequence *parked*: cached, indexed, evictable.  When a batch needs room
 (:meth:`PrefixCache.claim` before it, or ``DecodeError`` 1 from it), no sequence id is free, or a blob has no room
-to be restored, whole parked sequences of the stream are evicted, chosen by :class:`~kvcache_ggml.prefix.policy.LRUPolicy` (lowest retention priority first, then least
-recently used; priorities as in TensorRT-LLM, set per request with
-:class:`~kvcache_ggml.prefix.policy.Retention`; any callable can replace it).  With a host budget, an evicted
+to be restored, whole parked sequences of the stream are evicted, chosen by
+:class:`~kvcache_ggml.prefix.policy.LRUPolicy` (lowest retention priority first, then least recently used;
+priorities as in TensorRT-LLM, set per request with :class:`~kvcache_ggml.prefix.policy.Retention`; any callable
+can replace it).  With a host budget, an evicted
 sequence not already covered by another entry is kept as its llama.cpp state blob (``state_save(seq_id)``, its
 tail beyond the indexed prefix cut first) in RAM, and RAM victims move to disk as llama.cpp sequence state files
 when a directory and a disk budget are given.  Budgets are never exceeded; a blob that fits none is not kept.

@@ -277,10 +277,7 @@ class PrefixCache:
             if n < 0:
                 raise ValueError(f"claim: stream {s} needs {n} cells, expected >= 0")
         kept = set(keep)
-        ok = True
-        for s, n in need.items():
-            ok &= n <= size and self._make_room(s, n, kept)
-        return ok
+        return all([n <= size and self._make_room(s, int(n), kept) for s, n in need.items()])  # every stream tries
 
     # ------------------------------------------------------------------ memory operations (through the index)
 
