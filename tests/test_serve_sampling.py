@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvcache_ggml.serve.protocol import RequestError, SamplingParams
-from kvcache_ggml.serve.sampling import Sampler, logprobs
+from kvcache_ggml.serve.sampling import ForcedSampler, Sampler, logprobs
 
 N = 1000
 
@@ -146,3 +146,36 @@ def test_logprobs_equal_float64_log_softmax():
 def test_wrong_logits_shape():
     with pytest.raises(ValueError, match="vocabulary of 4"):
         Sampler(SamplingParams(), 4).sample(np.zeros(5, np.float32))
+
+
+def test_forced_sampler_returns_its_tokens_in_order_then_refuses():
+    x = _logits(3)
+    s = ForcedSampler(np.array([5, 2, 5], np.int32))
+    assert s.n_forced == 3 and s.params.ignore_eos is True and s.first_logits is None
+    got = []
+    for _ in range(3):
+        got.append(s.sample(x))
+        s.accept(got[-1])
+    assert got == [5, 2, 5] and s.first_logits is None  # not asked to keep the logits
+    with pytest.raises(ValueError, match="all 3 forced tokens"):
+        s.sample(x)
+    with pytest.raises(ValueError, match="all 0 forced tokens"):
+        ForcedSampler([]).sample(x)
+
+
+def test_forced_sampler_keeps_a_float32_copy_of_the_first_row():
+    rows = [_logits(4).astype(np.float64), _logits(5)]
+    s = ForcedSampler([1, 2], keep_logits=True)
+    assert [s.sample(r) for r in rows] == [1, 2]
+    assert s.first_logits.dtype == np.float32 and np.array_equal(s.first_logits, rows[0].astype(np.float32))
+    rows[0][:] = 0.0  # a copy: the caller's buffer may be reused
+    assert np.abs(s.first_logits).max() > 0
+
+
+def test_forced_sampler_logprobs_are_the_models():
+    x = _logits(6)
+    lp, top = ForcedSampler([0]).logprobs(x, 17, 3)
+    want_lp, want_top = logprobs(x, 17, 3)
+    assert lp == want_lp and top == want_top
+    x64 = x.astype(np.float64)
+    assert lp == pytest.approx(x64[17] - np.log(np.exp(x64 - x64.max()).sum()) - x64.max(), abs=1e-12)

@@ -20,16 +20,20 @@ more, then all).
 
 :func:`logprobs` reports the model's own distribution -- the log-softmax of the *raw* logits, before any of the
 steps above, as OpenAI reports it -- in float64.
+
+:class:`ForcedSampler` has the same interface and returns fixed tokens in order instead of drawing them: replays of
+a recorded workload (the same replies whatever the cache does), with the first logits kept for comparing runs.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from .protocol import SamplingParams
 
-__all__ = ["Sampler", "logprobs"]
+__all__ = ["Sampler", "ForcedSampler", "ForcedParams", "logprobs"]
 
 _TOP_P_FIRST = 128  # largest logits sorted first when looking for the top_p cut (then 8x more)
 
@@ -111,6 +115,49 @@ class Sampler:
         cum = np.cumsum(w)
         i = min(int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right")), v.size - 1)
         return i if ids is None else int(ids[i])
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedParams:
+    """The parameters a :class:`ForcedSampler` shows the engine: it never masks nor stops at an end token."""
+
+    ignore_eos: bool = True   # an end-of-generation token in the forced list is generated, and generation goes on
+
+
+class ForcedSampler:
+    """A sampler that returns ``tokens`` in order, whatever the logits say (replays of recorded replies).
+
+    The same interface as :class:`Sampler`: :meth:`sample`, :meth:`accept`, :meth:`logprobs` (of the model's raw
+    logits, as Sampler reports them) and ``params.ignore_eos`` (True, so a forced end token does not end the
+    replay).  With ``keep_logits`` the first row it is given is kept as a float32 copy in ``first_logits`` (the
+    prompt's logits: what a benchmark compares between engines or cache settings).
+    """
+
+    logprobs = staticmethod(logprobs)
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray, keep_logits: bool = False) -> None:
+        self.tokens = np.array(tokens, dtype=np.int64).reshape(-1)  # the tokens to return, in order
+        self.n_forced = int(self.tokens.size)   # how many there are
+        self.params = ForcedParams()            # ignore_eos: True
+        self.keep_logits = keep_logits          # keep a copy of the first row given to sample()
+        self.first_logits: np.ndarray | None = None  # float32 copy of that row (keep_logits), else None
+        self.n_sampled = 0                      # tokens returned so far
+        self.counts: dict[int, int] = {}        # accepted token id -> times (as Sampler counts them)
+
+    def sample(self, logits: np.ndarray) -> int:
+        """The next forced token; ValueError once all ``n_forced`` have been returned."""
+        if self.n_sampled >= self.n_forced:
+            raise ValueError(f"forced sampler exhausted: all {self.n_forced} forced tokens were already returned")
+        if self.keep_logits and self.first_logits is None:
+            self.first_logits = np.array(logits, dtype=np.float32, copy=True)
+        tok = int(self.tokens[self.n_sampled])
+        self.n_sampled += 1
+        return tok
+
+    def accept(self, token: int) -> None:
+        """Record a generated token (kept for symmetry with :class:`Sampler`; nothing depends on it)."""
+        self.counts[token] = self.counts.get(token, 0) + 1
+
 
 def _top_p(v: np.ndarray, m: float, p: float) -> np.ndarray:
     """Indices into ``v`` (logits, largest ``m``) of the smallest most-likely set whose softmax mass reaches ``p``,
