@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_ggml.generate import SamplerParams, main as generate_main, sample
+from kvcache_ggml.generate import main as generate_main
 from kvcache_ggml.runtime import Context, Model, Reference, RuntimeParams, make_model
 from kvcache_ggml.runtime.memory import kv_memory_plan
 from kvcache_ggml.runtime.modelmaker import ModelSpec
@@ -42,21 +42,34 @@ def test_parallel_sampling_is_seeded(gpt2_model, capsys):
     first = capsys.readouterr().out
     assert generate_main(args) == 0
     assert capsys.readouterr().out == first
+    assert generate_main(args[:-4] + ["--seed", "4", "--threads", "1"]) == 0
+    assert capsys.readouterr().out != first                     # another seed, other draws
     lines = first.splitlines()
+    texts = [lines[0]] + [ln[len("--- sequence 1: "):] for ln in lines[1:]]
+    assert len(set(texts)) > 1                                  # each sequence its own seed: they draw apart
     assert lines[0].startswith("Once") and [ln[:19] for ln in lines[1:]] == ["--- sequence 1: Onc",
                                                                               "--- sequence 2: Onc"]
 
 
-def test_sample():
-    rng = np.random.default_rng(0)
-    logits = np.array([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0]], np.float32)
-    assert sample(logits, SamplerParams(temp=0.0), rng).tolist() == [1, 0]
-    # top_k = 1 is greedy whatever the temperature
-    assert sample(logits, SamplerParams(temp=2.0, top_k=1), rng).tolist() == [1, 0]
-    draws = np.concatenate([sample(logits[:1], SamplerParams(temp=1.0, top_k=0), rng) for _ in range(4000)])
-    p = np.exp(logits[0] - logits[0].max())
-    p /= p.sum()
-    assert np.allclose(np.bincount(draws, minlength=3) / 4000, p, atol=0.03)
+def test_forked_greedy_sequences_all_follow_the_reference(gpt2_model, capsys):
+    """Forked with seq_cp and decoded in one batch per step, every greedy sequence is the reference's text."""
+    prompt = "The cat"
+    assert generate_main(["--model", str(gpt2_model), "--prompt", prompt, "--n-predict", "5", "--n-par", "3",
+                          "--threads", "1"]) == 0
+    vocab = Vocab.from_gguf(gpt2_model)
+    ids = vocab.tokenize(prompt)
+    ref = Reference(gpt2_model)
+    for _ in range(5):
+        ids.append(int(np.argmax(ref.forward(ids)[-1])))
+    want = prompt + vocab.detokenize(ids[-5:])
+    assert capsys.readouterr().out.splitlines() == [want, f"--- sequence 1: {want}", f"--- sequence 2: {want}"]
+
+
+def test_bad_sampling_options_are_refused(gpt2_model, capsys):
+    for flag, value in (("--top-p", "0"), ("--top-p", "1.5"), ("--min-p", "-0.1"), ("--top-k", "-1")):
+        with pytest.raises(SystemExit):
+            generate_main(["--model", str(gpt2_model), "--prompt", "x", flag, value])
+        assert value in capsys.readouterr().err
 
 
 def test_memory_plan_before_allocation(gpt2_model):

@@ -31,6 +31,10 @@ class StepTimes:
         for f in fields(self):
             setattr(self, f.name, f.default)
 
+    def since(self, before: "StepTimes") -> "StepTimes":
+        """The seconds and counts added since ``before`` (an earlier copy of these times)."""
+        return StepTimes(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
+
     def host_total(self) -> float:
         return self.batch + self.bookkeeping + self.update + self.inputs + self.build + self.compute
 
