@@ -309,13 +309,13 @@ class KVBookkeeping:
                 states.append((sinfo, list(self.v_heads), None))
                 break
             heads_old = list(self.v_heads)
-            saved = [self.v_cells[st]._snapshot(idx) for st, idx in zip(sinfo.strm, sinfo.idxs)]
+            saved = [self.v_cells[st].snapshot(idx) for st, idx in zip(sinfo.strm, sinfo.idxs)]
             states.append((sinfo, heads_old, saved))
             self.apply_ubatch(sinfo, ub)
         for sinfo, heads_old, saved in reversed(states):
             if saved is not None:
                 for s, (st, idx) in enumerate(zip(sinfo.strm, sinfo.idxs)):
-                    self.v_cells[st]._restore(idx, *saved[s])
+                    self.v_cells[st].restore(idx, *saved[s])
             self._restore_heads(sinfo, heads_old)
         return res if success else []
 

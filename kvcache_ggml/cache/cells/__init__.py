@@ -4,9 +4,9 @@ sequences.  No tensors here, and no ggml.
 ==============  ========================================================================================
 module          owns
 ==============  ========================================================================================
-``kvcells``     :class:`KVCells`: the cell arrays and the vectorised methods the cache uses
-``onecell``     llama.cpp's one-cell methods (:class:`OneCellAPI`, a mixin of KVCells), the scalar helpers
-                of the decode step, :func:`slot_search_start` (the head restart)
+``kvcells``     :class:`KVCells`: the cell arrays, llama.cpp's one-cell methods, the vectorised methods the
+                cache uses and the scalar helpers of the decode step, in one class
+``onecell``     :class:`CellExt`, :func:`bitset_ids`, :func:`slot_search_start` (the head restart)
 ``index``       the derived indices: the used range, the per-sequence position multisets, the change log
 ==============  ========================================================================================
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..._consts import LLAMA_MAX_SEQ
 from .index import ChangeLog, PosMultiset, UsedRange
 from .kvcells import KVCells
-from .onecell import CellExt, OneCellAPI, bitset_ids, slot_search_start
+from .onecell import CellExt, bitset_ids, slot_search_start
 
-__all__ = ["KVCells", "CellExt", "OneCellAPI", "LLAMA_MAX_SEQ", "bitset_ids", "slot_search_start", "ChangeLog",
+__all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids", "slot_search_start", "ChangeLog",
            "PosMultiset", "UsedRange"]

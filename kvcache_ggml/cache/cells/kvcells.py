@@ -29,15 +29,20 @@ Who changes the indices:
   and :meth:`~KVCells.place_one` (new cells: the used range and their sequences' multisets),
   :meth:`~KVCells.seq_add_many` / :meth:`~KVCells.seq_rm_many` (one sequence joins or leaves cells: its multiset,
   and the used range for cells left empty);
-* in :mod:`~kvcache_ggml.cache.cells.onecell`, ``pos_set`` (the used range) and the scalar helpers of the decode
-  step ``seq_rm_last`` and ``rm_only``, each for the one cell and sequence it changes.
+* ``pos_set`` (the used range) and the scalar helpers of the decode step ``seq_rm_last`` and ``rm_only``, each for
+  the one cell and sequence it changes.
 
 :meth:`~KVCells.check_invariants` recomputes both indices from the arrays and reports every disagreement.
 
-Every llama.cpp method has a counterpart with the same name working on one cell
-(:mod:`~kvcache_ggml.cache.cells.onecell`).  The cache itself uses the vectorised ``*_many``/``find``/``place``
-methods, which give the same result as the per-cell loops of the seed, and on the decode step their scalar variants
-(``place_one``, ``seq_rm_last``).
+Every llama.cpp method has a counterpart with the same name working on one cell (``is_empty`` .. ``pos_div``), with
+the seed's preconditions asserted; most go through the vectorised methods.  The cache itself uses the vectorised
+``*_many``/``find``/``place`` methods, which give the same result as the per-cell loops of the seed, and on the
+decode step their scalar variants (``place_one``, ``seq_rm_last``, ``one_token_slot``, ``rm_only``).
+
+One class, as llama.cpp's: the arrays and the indices derived from them change together, so every method that
+changes one sees the private helpers that keep the other in sync (this file is over the 600-line cap for that,
+allowed in scripts/check_layout.py).  Scalar reads of the decode step go through memoryviews of the arrays
+(``_pos_m``, ``_seq_m``, ...), cheaper than numpy's item access.
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ import numpy as np
 
 from ..._consts import INT32_MAX, LLAMA_MAX_SEQ, SEQ_WORDS
 from .index import ChangeLog, PosMultiset, UsedRange
-from .onecell import CellExt, OneCellAPI, bitset_ids
+from .onecell import CellExt, bitset_ids, slot_search_start
 
 __all__ = ["KVCells", "CellExt", "LLAMA_MAX_SEQ", "bitset_ids"]
 
@@ -58,9 +63,10 @@ _NO_CELLS = np.empty(0, np.int64)
 _NO_CELLS.flags.writeable = False
 
 
-class KVCells(OneCellAPI):
-    """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``); the one-cell methods are
-    :class:`~kvcache_ggml.cache.cells.onecell.OneCellAPI`'s."""
+class KVCells:
+    """The cells of one stream of the cache (llama.cpp's ``llama_kv_cells``): the parallel arrays, the derived
+    indices that private helpers keep in sync with them, llama.cpp's one-cell methods, their vectorised
+    counterparts and the scalar helpers of the decode step, in one class (see the module docstring)."""
 
     __slots__ = ("_pos", "_shift", "_ext", "_seq", "_has_shift", "_used", "_seq_pos", "_log", "_newest", "_pos_m",
                  "_seq_m", "_shift_m", "_ext_m")
@@ -143,26 +149,34 @@ class KVCells(OneCellAPI):
         idxs = self._as_idxs(i_or_idxs, n)
         assert not self._shift[idxs].any(), "cp() of cells with a pending shift"
         res = KVCells(0)
-        res._pos = self._pos[idxs]
-        res._shift = np.zeros(idxs.size, np.int32)
-        res._ext = self._ext[idxs]
-        res._seq = self._seq[:, idxs]
-        res._views()
-        res._rebuild_indices()
+        res.assign(self._pos[idxs], self._ext[idxs], self._seq[:, idxs])
         return res
+
+    def assign(self, pos: np.ndarray, ext: np.ndarray, seq: np.ndarray) -> None:
+        """Take the arrays (int32 [n] positions, int32 [n, 2] extensions, uint64 [SEQ_WORDS, n] bitsets; owned from
+        now on) as the cells, without a pending shift, and rebuild the derived indices from them (cp()'s copy)."""
+        self._pos = pos
+        self._shift = np.zeros(pos.shape[0], np.int32)
+        self._ext = ext
+        self._seq = seq
+        self._views()
+        self._rebuild_indices()
 
     def set(self, i_or_idxs, other: "KVCells") -> None:
         """Overwrite cells ``[i, i + len(other))`` or the cells ``idxs`` with the cells of ``other``."""
         idxs = self._as_idxs(i_or_idxs, other.size() if np.isscalar(i_or_idxs) else None)
         if idxs.size != other.size():
             raise ValueError(f"set(): {idxs.size} target cells for {other.size()} source cells")
-        self._restore(idxs, other._pos, other._ext, other._seq)
+        self.restore(idxs, other.pos_array, other.ext_array, other.seq_bits)
 
-    def _snapshot(self, idxs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Raw copy of cells (pos, ext, seq) -- the light form of cp() that prepare() uses."""
+    def snapshot(self, idxs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Raw copy of cells (pos, ext, seq) -- the light form of cp() that prepare() uses; :meth:`restore` puts
+        it back."""
         return self._pos[idxs], self._ext[idxs], self._seq[:, idxs]
 
-    def _restore(self, idxs: np.ndarray, pos: np.ndarray, ext: np.ndarray, seq: np.ndarray) -> None:
+    def restore(self, idxs: np.ndarray, pos: np.ndarray, ext: np.ndarray, seq: np.ndarray) -> None:
+        """Overwrite the cells ``idxs`` with ``pos``/``ext``/``seq`` (a :meth:`snapshot` of them), keeping the
+        derived indices and the change log in sync."""
         old = idxs[self._pos[idxs] >= 0]
         self._index_remove(old)
         self._pos[idxs] = pos
@@ -464,6 +478,186 @@ class KVCells(OneCellAPI):
             self._ms(s).inc(p)
         self._log.add_one(i, s)
         self._newest[s] = i
+
+    # ------------------------------------------------------------------ llama.cpp's one-cell methods
+
+    def is_empty(self, i: int) -> bool:
+        return bool(self._pos[i] == -1)
+
+    def rm(self, i: int) -> None:
+        assert self._pos[i] != -1, f"rm() of empty cell {i}"
+        self.rm_many(np.array([i], np.int64))
+
+    def seq_rm(self, i: int, seq_id: int) -> bool:
+        """Remove ``seq_id`` from cell ``i``; True when the cell became empty."""
+        assert self.seq_has(i, seq_id) and self._pos[i] != -1
+        return bool(self.seq_rm_many(np.array([i], np.int64), seq_id).size)
+
+    def seq_keep(self, i: int, seq_id: int) -> bool:
+        """Keep only ``seq_id`` in cell ``i``; True when the cell became empty."""
+        if self._pos[i] == -1:
+            return False
+        return bool(self.seq_keep_many(np.array([i], np.int64), seq_id).size)
+
+    def seq_count(self, i: int) -> int:
+        assert self._pos[i] != -1, f"seq_count() of empty cell {i}"
+        return int(np.bitwise_count(self._seq[:, i]).sum())
+
+    def seq_has(self, i: int, seq_id: int) -> bool:
+        assert 0 <= seq_id < LLAMA_MAX_SEQ, f"seq_id {seq_id} out of [0, {LLAMA_MAX_SEQ})"
+        return bool(self._seq[seq_id >> 6, i] & _BIT[seq_id & 63])
+
+    def seq_add(self, i: int, seq_id: int) -> None:
+        assert self._pos[i] != -1 and not self.seq_has(i, seq_id)
+        self.seq_add_many(np.array([i], np.int64), seq_id)
+
+    def seq_get(self, i: int) -> int:
+        """The only sequence of cell ``i`` (the cell must hold exactly one)."""
+        assert self.seq_count(i) == 1, f"seq_get() of cell {i} with {self.seq_count(i)} sequences"
+        return int(self.seq_get_many(np.array([i], np.int64))[0])
+
+    def pos_get(self, i: int) -> int:
+        assert self._pos[i] != -1, f"pos_get() of empty cell {i}"
+        return int(self._pos[i])
+
+    def ext_get(self, i: int) -> CellExt:
+        assert self._pos[i] != -1, f"ext_get() of empty cell {i}"
+        return CellExt(int(self._ext[i, 0]), int(self._ext[i, 1]))
+
+    def get_shift(self, i: int) -> int:
+        assert self._pos[i] != -1, f"get_shift() of empty cell {i}"
+        return int(self._shift[i])
+
+    def pos_in(self, i: int, p0: int, p1: int) -> bool:
+        return bool(p0 <= self._pos[i] < p1)
+
+    def pos_set(self, i: int, p: int) -> None:
+        assert self._pos[i] == -1 and not self._seq[:, i].any(), f"pos_set() of occupied cell {i}"
+        self._pos[i] = p
+        self._used.insert(np.array([i], np.int64))
+
+    def ext_set(self, i: int, ext: CellExt | tuple[int, int]) -> None:
+        self._ext[i] = (ext.x, ext.y) if isinstance(ext, CellExt) else ext
+
+    def pos_add(self, i: int, d: int) -> bool:
+        """Shift the position of cell ``i`` by ``d``; True when it went negative and the cell was emptied."""
+        assert self._pos[i] != -1, f"pos_add() of empty cell {i}"
+        return bool(self.pos_add_many(np.array([i], np.int64), d).size)
+
+    def pos_div(self, i: int, d: int) -> None:
+        assert self._pos[i] != -1, f"pos_div() of empty cell {i}"
+        self.pos_div_many(np.array([i], np.int64), d)
+
+    # ------------------------------------------------------------------ scalar helpers of the decode step
+
+    def only_seq(self, i: int) -> int:
+        """The only sequence of cell ``i``; -1 when it holds none or several (scalar reads of its words)."""
+        seq = self._seq
+        v = seq.item(0, i)
+        if v and not v & (v - 1):  # one sequence below 64 (the common case), unless the other words hold more
+            return -1 if seq.item(1, i) or seq.item(2, i) or seq.item(3, i) else v.bit_length() - 1
+        q = -1
+        for w in range(4):  # (SEQ_WORDS words)
+            v = seq.item(w, i)
+            if v:
+                if q >= 0 or v & (v - 1):
+                    return -1
+                q = (w << 6) + v.bit_length() - 1
+        return q
+
+    def pos_at(self, i: int) -> int:
+        """The position of cell ``i`` (-1: empty), a Python int (the fused decode step's read)."""
+        return self._pos_m[i]
+
+    def one_token_cell(self, head: int) -> int:
+        """find_slot's cell for one token searched from ``head`` -- the head, or cell 0 after the search's restart --
+        if it is free, else -1.  The one home of the one-token placement rule: find_slot's decode path,
+        :meth:`one_token_slot` and the fused step come here."""
+        head = slot_search_start(head, self._used.n, 1)
+        if head >= len(self._pos_m) or self._pos_m[head] >= 0:
+            return -1
+        return head
+
+    def one_token_slot(self, head: int) -> tuple[int, int] | None:
+        """find_slot's cell for one token searched from ``head`` -- the head, or cell 0 when the head is more than two
+        cells past the used count (the search's restart) -- if that cell is free: (the cell, used_max_p1() once a
+        token is placed there); None when it is occupied or past the end.  (The decode step's query, one call.)"""
+        head = self.one_token_cell(head)
+        if head < 0:
+            return None
+        u = self._used
+        end = u.end(self._pos, self._pos_m) if u.hi_dirty else u.hi
+        return head, (end if end > head else head + 1)
+
+    def seq_rm_last(self, seq_id: int, p0: int, p1: int) -> int | None:
+        """Fast path of ``seq_rm_many(find(p0, p1, seq_id), seq_id)`` for the undo of a decode step: when the only
+        cell of ``seq_id`` in [p0, p1) holds its largest position and is the cell of its last placement, remove the
+        sequence from it with scalar Python and return the cell if it became empty, else -1.  None (nothing done)
+        when the cells do not look like that."""
+        ms = self._seq_pos.get(seq_id)  # (a sequence without cells has no multiset)
+        if ms is None:
+            return None
+        keys = ms.keys
+        p = keys[-1]
+        if p < p0 or p >= p1 or ms.counts[-1] != 1 or (len(keys) > 1 and keys[-2] >= p0):
+            return None
+        # one cell of the sequence holds p: if the hinted cell holds the sequence at p, it is that cell
+        i = self._newest.get(seq_id, -1)
+        if i < 0 or self._pos_m[i] != p:
+            return None
+        seq_m, w, bit = self._seq_m, seq_id >> 6, 1 << (seq_id & 63)
+        word = seq_m[w, i]
+        if not word & bit:
+            return None
+        keys.pop()  # ms.dec(p) of the largest position, held once
+        ms.counts.pop()
+        if not keys:
+            del self._seq_pos[seq_id]
+        word ^= bit
+        seq_m[w, i] = word
+        self._log.add_one(i, seq_id)
+        if word or seq_m[0, i] or seq_m[1, i] or seq_m[2, i] or seq_m[3, i]:  # (SEQ_WORDS words)
+            return -1
+        self._pos_m[i] = -1
+        self._ext_m[i, 0] = 0
+        self._ext_m[i, 1] = 0
+        self._shift_m[i] = 0
+        self._used.erase_one(i)
+        return i
+
+    def seq_word(self, w: int, i: int) -> int:
+        """Word ``w`` of cell ``i``'s sequence bitset (sequences 64*w .. 64*w + 63), a Python int."""
+        return self._seq_m[w, i]
+
+    def seq_words(self) -> memoryview:
+        """The sequence bitsets as a read-only-by-convention memoryview [SEQ_WORDS, size] of uint64, for scalar
+        reads in a loop (``seq_words()[w, i]`` is ``seq_word(w, i)``).  Valid until ``resize``, which also drops the
+        change log: a reader that keeps it takes it again in each new epoch of the log."""
+        return self._seq_m
+
+    def seq_pos_keys(self, seq_id: int) -> tuple[list[int], list[int]]:
+        """The position multiset of ``seq_id``: its distinct positions ascending and how many cells hold each (the
+        cells' own lists: read only); two empty lists when it holds no cell."""
+        ms = self._seq_pos.get(seq_id)
+        return (ms.keys, ms.counts) if ms is not None else ([], [])
+
+    def rm_only(self, i: int, seq_id: int) -> None:
+        """rm() of cell ``i``, which holds ``seq_id`` alone, with scalar Python (the decode step over a cell the
+        sliding window left behind)."""
+        p = self._pos.item(i)
+        assert p >= 0 and self._seq.item(seq_id >> 6, i) == 1 << (seq_id & 63), f"cell {i} is not {seq_id}'s alone"
+        ms = self._seq_pos[seq_id]
+        ms.dec(p)
+        if not ms.keys:  # (no __len__ call)
+            del self._seq_pos[seq_id]
+        self._seq[seq_id >> 6, i] = 0
+        self._pos[i] = -1
+        ext = self._ext
+        if ext.item(i, 0) or ext.item(i, 1):  # (0 but on M-RoPE models: cheaper to read than to write)
+            ext[i] = 0
+        self._shift[i] = 0
+        self._used.erase_one(i)
+        self._log.add_one(i, seq_id)
 
     # ------------------------------------------------------------------ consistency
 
