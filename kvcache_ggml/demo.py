@@ -14,7 +14,11 @@ llama, Gemma 2 or Gemma 3 GGUF instead; a sliding-window model runs on the iSWA 
    bookkeeping and graph work;
 5. saves one sequence to a sequence state file and restores it into another slot, then checks like with like:
    the restored cells equal the source's byte for byte, and both give the same next-token logits up to the
-   stated roundoff bound of summing the attention in another order (see :func:`restore_check`).
+   stated roundoff bound of summing the attention in another order
+   (:func:`~kvcache_ggml.runtime.restore_check.restore_check`).
+
+Steps 1-3 are :func:`~kvcache_ggml.runtime.parallel.fork_decode` with a greedy
+:class:`~kvcache_ggml.serve.sampling.Sampler` per sequence; this module prints what they did.
 """
 from __future__ import annotations
 
@@ -25,10 +29,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["main", "restore_check", "RestoreCheck", "same_sequence_state"]
+__all__ = ["main"]
 
 
 def _cell_maps(ctx, width: int = 128) -> list[str]:
@@ -68,105 +73,62 @@ def _step_split(times, n_steps: int) -> str:
 
 
 @dataclass(slots=True)
-class _State:
-    """What the demo tracks while it runs."""
+class _Shift:
+    """One context shift of every sequence."""
 
-    prompt: np.ndarray                       # int32 shared prompt ids
-    n_past: list[int]                        # next position per sequence
-    history: list[list[int]]                 # ids each sequence's cache holds, in order
-    generated: list[list[int]]               # ids generated per sequence
-    events: list[tuple] = field(default_factory=list)  # sequence 0's decodes and shifts (the numpy check)
-    nxt: np.ndarray | None = None            # int32 next id per sequence
-    shifts: int = 0                          # context shifts applied
-    maps_before: list[str] | None = None     # cell map before the first shift
+    step: int                  # batched steps decoded before it
+    n_past: np.ndarray         # int32 cells each sequence held before it
+    n_discard: np.ndarray      # int32 positions each sequence dropped
 
 
 @dataclass(slots=True)
-class RestoreCheck:
-    """Sequence src saved to a file and restored into dst: is dst the same sequence?"""
+class _Shifter:
+    """3. llama.cpp's context shift of every sequence when the cache is full: keep n_keep, discard half of the rest
+    (``fork_decode``'s ``on_full``)."""
 
-    same_cells: bool      # dst's state (cells in order, positions, K and V bytes) equals src's, byte for byte
-    same_tokens: bool     # the file's tokens are src's
-    diff: float           # max |logits(src) - logits(dst)| / max |logits(src)| for the same next token
-    tol: float            # the bound on diff from the summation order alone (see restore_check)
-    n_attended: int       # cells the probe attends to
-    n_layer: int          # attention layers the difference goes through
-    f16_sum: bool         # the attention sums V in F16 (flash attention over an F16 V), else in F32
+    ctx: Any                                  # the context
+    n_keep: int                               # positions kept at the start of each sequence
+    max_shifts: int                           # shifts allowed after the first one
+    done: list[_Shift] = field(default_factory=list)       # the shifts applied, in order
+    lines: list[str] = field(default_factory=list)         # what to print about them
+    maps_before: list[str] | None = None      # the cell maps before the first shift
 
-    @property
-    def ok(self) -> bool:
-        return self.same_cells and self.same_tokens and self.diff <= self.tol
+    def __call__(self, run: Any) -> np.ndarray | None:
+        if self.done and len(self.done) >= self.max_shifts:
+            return None
+        if self.maps_before is None:
+            self.maps_before = _cell_maps(self.ctx)
+        n_discard = (run.n_past - self.n_keep) // 2
+        for s, n in enumerate(n_discard.tolist()):
+            self.ctx.context_shift(s, self.n_keep, n)
+        self.done.append(_Shift(run.n_steps, run.n_past.copy(), n_discard))
+        self.lines.append(f"step {run.n_steps}: the cache is full (decode returned 1): context shift of every "
+                          f"sequence, keep {self.n_keep}, discard {int(n_discard[-1])} (last sequence), n_past -> "
+                          f"{(run.n_past - n_discard).tolist()}")
+        return n_discard
 
+    def cached(self, prompt: np.ndarray, decoded: list[int], s: int) -> list[int]:
+        """The ids sequence s's cache holds after decoding ``decoded`` (the shifts' discards taken out)."""
+        held, shifts = [int(t) for t in prompt], iter(self.done)
+        nxt = next(shifts, None)
+        for k, tok in enumerate(decoded):
+            while nxt is not None and nxt.step == k:
+                del held[self.n_keep:self.n_keep + int(nxt.n_discard[s])]
+                nxt = next(shifts, None)
+            held.append(tok)
+        return held
 
-def restore_check(ctx, src: int, dst: int, history: list[int], probe: int, flash_attn: bool, type_v: str,
-                  corrupt=None) -> RestoreCheck:
-    """Save sequence src to a file, restore it into dst, compare like with like.
-
-    The cells, exactly: dst's state must equal src's as it was saved, byte for byte (the same cells in the same
-    order, positions, K and V rows; :func:`same_sequence_state`; the state src has afterwards may be smaller: a
-    sliding-window cache reuses cells outside every window, src's too, when it places dst's).  The logits of the same next token in both, within a stated
-    bound: dst's cells sit elsewhere in the cache, so the probe's own new cell lands at another place among them
-    and the attention adds the same terms in another order.  With an F16 V and flash attention the CPU kernel
-    accumulates V in F16 (unit roundoff u = 2^-11), otherwise in F32 (u = 2^-24).  Reordering a sum of n terms
-    moves it by at most about n*u of its magnitude (first order), in each of the n_layer attention layers, and the
-    residual stream adds the layers' perturbations: tol = n_layer * n_attended * u.  That is a worst-case bound
-    (seen: 3e-2 against 0.25 for 8 layers and 64 cells in F16; 0 or ~1e-7 with F32 sums); the exact part of the
-    check is the cells.  ``corrupt(ctx, dst)`` (tests) may damage dst after the restore.
-    """
-    from .batch import Batch
-    saved = ctx.state_seq_get_data(src)
-    with tempfile.TemporaryDirectory(prefix="kvcache_demo_") as tmp:
-        f = Path(tmp) / f"seq{src}.bin"
-        ctx.state_seq_save_file(f, src, history)
-        ctx.memory_seq_rm(dst, -1, -1)
-        tokens = ctx.state_seq_load_file(f, dst)
-    if corrupt is not None:
-        corrupt(ctx, dst)
-    same_cells = same_sequence_state(saved, ctx.state_seq_get_data(dst))
-    pos = ctx.memory_seq_pos_max(src) + 1
-    n_attended = pos - _full_attention_cache(ctx.kv).seq_pos_min(src) + 1
-    out = ctx.decode(Batch(token=np.array([probe, probe], np.int32), pos=np.array([pos, pos], np.int32),
-                           seq_id=np.array([src, dst], np.int32), logits=np.ones(2, np.int8)))
-    for s in (src, dst):
-        ctx.memory_seq_rm(s, pos, -1)  # undo the probe
-    diff = float(np.abs(out[0] - out[1]).max() / max(np.abs(out[0]).max(), 1e-30))
-    f16_sum = flash_attn and type_v != "f32"
-    n_layer = ctx.model.hparams.n_layer
-    tol = n_layer * n_attended * (2.0 ** -11 if f16_sum else 2.0 ** -24)
-    return RestoreCheck(same_cells, tokens.tolist() == list(history), diff, tol, n_attended, n_layer, f16_sum)
-
-
-def _full_attention_cache(kv):
-    """The cache the full-attention layers read: the iSWA pair's base cache (whose positions of a sequence are a
-    superset of the SWA cache's), else the cache itself."""
-    from .cache.iswa import KVCacheISWA
-    return kv.get_base() if isinstance(kv, KVCacheISWA) else kv
-
-
-def same_sequence_state(a: bytes, b: bytes) -> bool:
-    """Two sequence state blobs hold the same cells: same order, positions and K/V bytes (the sequence ids and the
-    stream, which a single-sequence blob also records, may differ).  A blob of a sliding-window model is the base
-    cache's state followed by the SWA cache's: every cache's part is compared."""
-    from .cache.state.files import parse_state
-
-    def content(blob: bytes) -> list:
-        out, rest = [], memoryview(blob)
-        while True:  # one cache's state per pass (two for the iSWA pair)
-            info = parse_state(rest)
-            for st, sd in zip(info.streams, info.to_dict()["streams"]):
-                if not st.cell_count:
-                    continue
-                cells = [(c["pos"], c["n_cells"]) for c in sd["cells"]]
-                data = [bytes(rest[o:o + n]) for L in st.layers
-                        for o, n in ((L.k_offset, L.k_nbytes), (L.v_offset, L.v_nbytes))]
-                layers = [{k: v for k, v in ld.items() if "offset" not in k} for ld in sd["layers"]]
-                out.append((cells, sd["v_trans"], layers, data))
-            out.append("end of a cache's state")
-            if not info.trailing:
-                return out
-            rest = rest[len(rest) - info.trailing:]
-
-    return content(a) == content(b)
+    def events(self, prompt: np.ndarray, decoded: list[int]) -> list[tuple]:
+        """Sequence 0's decodes and shifts in order (what the numpy check replays)."""
+        out: list[tuple] = [("decode", [int(t) for t in prompt])]
+        shifts = iter(self.done)
+        nxt = next(shifts, None)
+        for k, tok in enumerate(decoded):
+            while nxt is not None and nxt.step == k:
+                out.append(("shift", self.n_keep, int(nxt.n_discard[0]), int(nxt.n_past[0])))
+                nxt = next(shifts, None)
+            out.append(("decode", [tok]))
+        return out
 
 
 def _vocab(model):
@@ -178,94 +140,87 @@ def _vocab(model):
         return None
 
 
-def _start(args, model, ctx, vocab, rng) -> _State:
-    """1. the shared prompt, once, in sequence 0, forked into every sequence."""
-    from .batch import Batch
+def _prompt(args, model, vocab, rng) -> np.ndarray:
+    """The shared prompt: the text's ids, else random ids (BOS first when the model has one)."""
     if args.prompt is not None and vocab is not None:
-        prompt = np.array(vocab.tokenize(args.prompt, add_special=True, parse_special=True), np.int32)
-    else:
-        lo = 3 if model.n_vocab > 3 else 0                  # skip <unk>, <s>, </s> of an SPM vocabulary
-        prompt = rng.integers(lo, model.n_vocab, args.prompt_len).astype(np.int32)
-        if model.bos_token_id >= 0:
-            prompt[0] = model.bos_token_id
-    t0 = time.perf_counter()
-    logits = ctx.decode(Batch(token=prompt, pos=np.arange(len(prompt), dtype=np.int32)))
-    t_prompt = time.perf_counter() - t0
-    for s in range(1, args.n_par):
-        ctx.memory_seq_cp(0, s, -1, -1)
-    st = _State(prompt, [len(prompt)] * args.n_par, [list(prompt) for _ in range(args.n_par)],
-                [[] for _ in range(args.n_par)], [("decode", prompt.tolist())])
-    st.nxt = np.argsort(-logits[-1], kind="stable")[:args.n_par].astype(np.int32)  # seq s: the (s+1)-th best
-    print(f"prompt: {len(prompt)} tokens decoded in {t_prompt * 1e3:.1f} ms ({len(prompt) / t_prompt:.0f} "
-          f"tokens/s), forked into {args.n_par} sequences with seq_cp")
-    return st
+        return np.array(vocab.tokenize(args.prompt, add_special=True, parse_special=True), np.int32)
+    lo = 3 if model.n_vocab > 3 else 0                  # skip <unk>, <s>, </s> of an SPM vocabulary
+    prompt = rng.integers(lo, model.n_vocab, args.prompt_len).astype(np.int32)
+    if model.bos_token_id >= 0:
+        prompt[0] = model.bos_token_id
+    return prompt
 
 
-def _shift_all(args, ctx, st: _State, step: int) -> None:
-    """3. llama.cpp's context shift of every sequence: keep n_keep, discard half of the rest."""
-    st.maps_before = _cell_maps(ctx) if st.maps_before is None else st.maps_before
-    for s in range(args.n_par):
-        n_discard = (st.n_past[s] - args.n_keep) // 2
-        ctx.context_shift(s, args.n_keep, n_discard)
-        if s == 0:
-            st.events.append(("shift", args.n_keep, n_discard, st.n_past[0]))
-        del st.history[s][args.n_keep:args.n_keep + n_discard]
-        st.n_past[s] -= n_discard
-    st.shifts += 1
-    print(f"step {step}: the cache is full (decode returned 1): context shift of every sequence, keep "
-          f"{args.n_keep}, discard {n_discard} (last sequence), n_past -> {st.n_past}")
-
-
-def _generate(args, ctx, st: _State) -> float:
-    """2. parallel greedy generation, with 3. context shifts when the cache is full; the seconds it took."""
-    from .batch import Batch
-    from .runtime.context import DecodeError
+def _generate(args, model, ctx, prompt: np.ndarray, shifter: _Shifter):
+    """1. the prompt forked into every sequence, 2. parallel greedy generation with 3. context shifts when the cache
+    is full (fork_decode); sequence s starts from the (s+1)-th most likely first token."""
+    from .runtime.parallel import fork_decode
+    from .serve.protocol import SamplingParams
+    from .serve.sampling import Sampler
     n_par = args.n_par
     if args.n_gen is None:  # enough steps to fill the cache, then 24 more on the shifted one
-        room = ctx.kv.get_size() - len(st.prompt)
+        room = ctx.kv.get_size() - len(prompt)
         args.n_gen = (room // n_par if ctx.kv.n_stream == 1 else room) + 24
-    ctx.times.reset()
-    t0 = time.perf_counter()
-    step = 0
-    while step < args.n_gen:
-        batch = Batch(token=st.nxt, pos=np.array(st.n_past, np.int32), seq_id=np.arange(n_par, dtype=np.int32),
-                      logits=np.ones(n_par, np.int8))
-        try:
-            logits = ctx.decode(batch)
-        except DecodeError as e:
-            if e.code != 1 or (st.maps_before is not None and st.shifts >= args.max_shifts):
-                raise
-            _shift_all(args, ctx, st, step)
-            continue
-        st.events.append(("decode", [int(st.nxt[0])]))
-        for s in range(n_par):
-            st.history[s].append(int(st.nxt[s]))
-            st.generated[s].append(int(st.nxt[s]))
-            st.n_past[s] += 1
-        st.nxt = np.argmax(logits, axis=1).astype(np.int32)
-        step += 1
-    return time.perf_counter() - t0
+    greedy = [Sampler(SamplingParams(temperature=0.0), model.n_vocab) for _ in range(n_par)]
+    run = fork_decode(ctx, prompt, greedy, args.n_gen + 1, on_full=shifter,
+                      first=lambda row: np.argsort(-row, kind="stable")[:n_par])
+    if run.stopped is not None:
+        raise run.stopped
+    t = run.t_prompt
+    print(f"prompt: {len(prompt)} tokens decoded in {t * 1e3:.1f} ms ({len(prompt) / t:.0f} "
+          f"tokens/s), forked into {n_par} sequences with seq_cp")
+    for line in shifter.lines:
+        print(line)
+    return run
 
 
-def _report(args, ctx, st: _State, vocab, t_gen: float) -> None:
+def _report(args, ctx, run, shifter: _Shifter, vocab) -> None:
     """4. the cell maps, each sequence's text (or ids) beside them, the speed."""
-    if st.maps_before is not None:
+    if shifter.maps_before is not None:
         print("cell map before the context shift:")
-        for line in st.maps_before:
+        for line in shifter.maps_before:
             print(line)
-    _print_map("after generation" + (" (shifted)" if st.shifts else ""), ctx)
+    n_shifts = len(shifter.done)
+    _print_map("after generation" + (" (shifted)" if n_shifts else ""), ctx)
     for s in range(args.n_par):
         head = f"  seq {s}: pos {ctx.memory_seq_pos_min(s)}..{ctx.memory_seq_pos_max(s)} | "
+        decoded = run.tokens[s][:-1]  # the last token was chosen, not decoded
         if vocab is not None:
-            text = vocab.detokenize(st.generated[s]).replace("\n", "\\n")
+            text = vocab.detokenize(decoded).replace("\n", "\\n")
             print(head + repr(text[:160] + ("..." if len(text) > 160 else "")))
         else:
-            toks = " ".join(str(t) for t in st.generated[s][:16])
-            print(head + f"tokens {toks}{' ...' if len(st.generated[s]) > 16 else ''}")
-    n_tok = args.n_par * args.n_gen
-    print(f"generation: {n_tok} tokens ({args.n_gen} steps x {args.n_par} sequences) in {t_gen:.2f} s = "
-          f"{n_tok / t_gen:.0f} tokens/s, {st.shifts} context shift(s)")
-    print(f"host time per step: {_step_split(ctx.times, args.n_gen)}")
+            toks = " ".join(str(t) for t in decoded[:16])
+            print(head + f"tokens {toks}{' ...' if len(decoded) > 16 else ''}")
+    n_tok = args.n_par * run.n_steps
+    print(f"generation: {n_tok} tokens ({run.n_steps} steps x {args.n_par} sequences) in {run.t_gen:.2f} s = "
+          f"{n_tok / run.t_gen:.0f} tokens/s, {n_shifts} context shift(s)")
+    print(f"host time per step: {_step_split(run.times, run.n_steps)}")
+
+
+def _checks(args, model_path: Path, ctx, run, shifter: _Shifter) -> bool:
+    """The shifted cache against a numpy re-encoding of the same tokens at their new positions (llama models), and
+    5. one sequence saved and restored into another slot (two sequences or more)."""
+    from .runtime.restore_check import restore_check
+    ok_ref = True
+    arch = ctx.model.hparams.arch
+    if args.check and arch != "llama":
+        print(f"numpy check: only for llama models, not {arch}")
+    elif args.check:
+        ok_ref = _check_reference(model_path, ctx, shifter.events(run.prompt, run.tokens[0][:-1]),
+                                  int(run.n_past[0]), run.tokens[0][-1], (args.type_k, args.type_v))
+    ok_restore = True
+    if args.n_par >= 2:
+        src, dst = 0, args.n_par - 1
+        held = shifter.cached(run.prompt, run.tokens[src][:-1], src)
+        rc = restore_check(ctx, src, dst, held, run.tokens[src][-1], args.flash_attn, args.type_v)
+        _print_map(f"after saving seq {src} to a file and restoring it into seq {dst}", ctx)
+        print(f"restore check: seq {dst}'s cells {'equal' if rc.same_cells else 'DIFFER from'} seq {src}'s "
+              f"byte for byte, tokens {'match' if rc.same_tokens else 'DIFFER'}, next-token logits max rel "
+              f"diff {rc.diff:.1e} (tolerance {rc.tol:.1e} = {rc.n_layer} layers x {rc.n_attended} cells x "
+              f"the {'F16' if rc.f16_sum else 'F32'} roundoff of an attention sum whose order differs) -> "
+              f"{'OK' if rc.ok else 'MISMATCH'}")
+        ok_restore = rc.ok
+    return ok_ref and ok_restore
 
 
 def run(args: argparse.Namespace, model_path: Path) -> int:
@@ -292,27 +247,12 @@ def run(args: argparse.Namespace, model_path: Path) -> int:
             print(f"context: n_ctx {ctx.n_ctx()}, {ctx.kv.n_stream} stream(s) x {ctx.kv.get_size()} cells, "
                   f"{args.n_par} sequences, flash attention {'on' if args.flash_attn else 'off'}, "
                   f"{args.threads} thread(s)")
-            st = _start(args, model, ctx, vocab, np.random.default_rng(args.seed))
-            _report(args, ctx, st, vocab, _generate(args, ctx, st))
-            # the shifted cache against a numpy re-encoding of the same tokens at their new positions
-            ok_ref = True
-            if args.check and hp.arch != "llama":
-                print(f"numpy check: only for llama models, not {hp.arch}")
-            elif args.check:
-                ok_ref = _check_reference(model_path, ctx, st.events, st.n_past[0], int(st.nxt[0]),
-                                          (args.type_k, args.type_v))
-            ok_restore = True
-            if args.n_par >= 2:  # 5. save one sequence, restore it into another slot
-                src, dst = 0, args.n_par - 1
-                rc = restore_check(ctx, src, dst, st.history[src], int(st.nxt[src]), args.flash_attn, args.type_v)
-                _print_map(f"after saving seq {src} to a file and restoring it into seq {dst}", ctx)
-                print(f"restore check: seq {dst}'s cells {'equal' if rc.same_cells else 'DIFFER from'} seq {src}'s "
-                      f"byte for byte, tokens {'match' if rc.same_tokens else 'DIFFER'}, next-token logits max rel "
-                      f"diff {rc.diff:.1e} (tolerance {rc.tol:.1e} = {rc.n_layer} layers x {rc.n_attended} cells x "
-                      f"the {'F16' if rc.f16_sum else 'F32'} roundoff of an attention sum whose order differs) -> "
-                      f"{'OK' if rc.ok else 'MISMATCH'}")
-                ok_restore = rc.ok
-    return 0 if ok_restore and ok_ref else 1
+            prompt = _prompt(args, model, vocab, np.random.default_rng(args.seed))
+            shifter = _Shifter(ctx, args.n_keep, args.max_shifts)
+            gen = _generate(args, model, ctx, prompt, shifter)
+            _report(args, ctx, gen, shifter, vocab)
+            ok = _checks(args, model_path, ctx, gen, shifter)
+    return 0 if ok else 1
 
 
 def _check_reference(model_path: Path, ctx, events: list[tuple], n_past: int, nxt: int,

@@ -9,7 +9,7 @@ import pytest
 from kvcache_ggml import ggml as G
 from kvcache_ggml.batch import Batch
 from kvcache_ggml.demo import main as demo_main
-from kvcache_ggml.demo import restore_check, same_sequence_state
+from kvcache_ggml.runtime.restore_check import restore_check, same_sequence_state
 from kvcache_ggml.runtime import Context, Model, make_model
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 from kvcache_ggml.runtime.tokenizer import Vocab

@@ -243,7 +243,7 @@ def _corrupt_one_swa_k_row(ctx, dst):
 
 def test_demo_restore_check_compares_both_caches_parts(gemma):
     """The demo's like-with-like check on an iSWA blob (base state, then SWA state): a damaged SWA row is seen."""
-    from kvcache_ggml.demo import restore_check
+    from kvcache_ggml.runtime.restore_check import restore_check
     model, _ = gemma
     toks = tokens(40, seed=5)
     for corrupt, same in ((None, True), (_corrupt_one_swa_k_row, False)):
