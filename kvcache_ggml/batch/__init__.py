@@ -23,14 +23,15 @@ Speed.  The hot path is a decode step of one token per sequence.  Every numpy ca
 code counts them: C-level methods rather than ``np.`` wrappers, ``np.count_nonzero`` rather than ``any``/``all``
 reductions, and the per-sequence grouping computed once per batch and shared by positions, statistics and splits.
 No path loops in Python over tokens; loops over sequences or sequence sets (at most a few hundred) are fine.
-The decode step itself -- n tokens of n distinct sequences -- takes a fast path through init (``_decode``: scalar
-Python, falling back to the general sections for anything else or anything they would reject) and through the
-splits (``BatchSplitter._ubatch_decode``: the ubatch shares read-only arrays that only depend on its sequences);
+The decode step itself -- n tokens of n distinct sequences -- takes a fast path through init
+(``BatchAllocator._init_decode``: scalar Python, falling back to the general sections for anything else or anything
+they would reject) and through the splits (``BatchAllocator._ubatch_decode``: the ubatch shares read-only arrays
+that only depend on its sequences);
 ``BatchAllocator.fast = False`` turns both off (tests/test_decode_fast_path.py compares the two).
 
-Modules: ``_input`` (Batch), ``_ubatch`` (UBatch and the shared numpy helpers), ``_split`` (BatchSplitter: the
-validated batch and split_simple/split_equal/split_seq), ``_allocator`` (BatchAllocator: init's sections and the
-getters), ``_decode`` (init's decode fast path).  Import from ``kvcache_ggml.batch``.
+Modules: ``_input`` (Batch), ``_ubatch`` (UBatch and the shared numpy helpers), ``_allocator`` (BatchAllocator, one
+class: init's sections, its decode fast path, the getters and split_simple/split_equal/split_seq).  Import from
+``kvcache_ggml.batch``.
 
 Errors: ``ValueError`` for bad input (llama.cpp logs and returns false), ``RuntimeError`` for misuse (splitting
 without a batch), ``assert`` for internal invariants.  ``LLAMA_BATCH_DEBUG`` (read once per process, again with
@@ -41,8 +42,6 @@ level.
 from .._consts import LLAMA_MAX_SEQ
 from ._allocator import BatchAllocator, MemoryPositions, read_debug_env
 from ._input import Batch
-from ._split import BatchSplitter
 from ._ubatch import UBatch
 
-__all__ = ["LLAMA_MAX_SEQ", "Batch", "UBatch", "BatchAllocator", "BatchSplitter", "MemoryPositions",
-           "read_debug_env"]
+__all__ = ["LLAMA_MAX_SEQ", "Batch", "UBatch", "BatchAllocator", "MemoryPositions", "read_debug_env"]

@@ -1,5 +1,5 @@
-"""One micro-batch (``llama_ubatch``) and the numpy helpers the allocator and the splitters share: distinct
-values, present sequences, per-sequence position statistics, and the debug print of a ubatch."""
+"""One micro-batch (``llama_ubatch``) and the numpy helpers of the allocator: distinct values, present sequences,
+per-sequence position statistics, the grouping of tokens by sequence, and the debug print of a ubatch."""
 
 from __future__ import annotations
 
@@ -153,3 +153,12 @@ def _print_ubatch(ub: UBatch, n_outputs: int, detail: bool) -> None:
             logger.debug("ubatch_print:  %4d: %s, pos = %4d, n_seq_id = %2d, seq_id = [%s], output = %d",
                          i, what, int(ub.pos[i]), int(ub.n_seq_id[i]), mark, int(ub.output[i]))
         logger.debug("ubatch_print:   ]")
+
+
+def seq_groups(seq0: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Tokens grouped by their (only) sequence id ``seq0`` int32 [n]: (the sequence ids present, ascending; the
+    stable argsort of ``seq0``; start and size of each sequence's run in that order)."""
+    per_seq = np.bincount(seq0)
+    useq = per_seq.nonzero()[0]
+    gsize = per_seq[useq]
+    return useq, seq0.argsort(kind="stable"), gsize.cumsum() - gsize, gsize
