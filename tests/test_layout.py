@@ -1,5 +1,5 @@
-"""The package's shape: size limits (scripts/check_layout.py), no import circles (scripts/check_imports.py) and the
-layers that must load no ggml."""
+"""The package's shape: size limits and private reaches (scripts/check_layout.py), no import circles
+(scripts/check_imports.py) and the layers that must load no ggml."""
 import importlib.util
 import subprocess
 import sys
@@ -25,10 +25,87 @@ def load_checker(path=CHECKER):
     return mod
 
 
-def test_no_file_over_600_lines_and_no_function_over_80():
-    p = subprocess.run([sys.executable, str(CHECKER), str(ROOT / "kvcache_ggml")], capture_output=True, text=True)
-    assert p.returncode == 0, "limits exceeded:\n" + p.stdout + p.stderr
-    assert p.stdout == ""
+def test_no_file_over_its_cap_and_no_function_over_80():
+    """Files over 600 lines only where FILE_LINE_CAPS allows it (each with its reason), under their own cap."""
+    mod = load_checker()
+    assert mod.check_tree(ROOT / "kvcache_ggml") == []
+    assert all(reason and 600 < cap for cap, reason in mod.FILE_LINE_CAPS.values())
+    assert all((ROOT / path).is_file() for path in mod.FILE_LINE_CAPS), "a cap for a file that is gone"
+
+
+# the packages whose private reaches are fixed; the lead widens this to the whole package (then: the script exits 0)
+REACH_CLEAN = ("kvcache_ggml/batch/", "kvcache_ggml/cache/cells/")
+
+
+def test_no_private_reach_in_the_fixed_packages():
+    mod = load_checker()
+    assert len(mod.ALLOWED_REACHES) <= mod.MAX_ALLOWED_REACHES
+    assert all(reason.strip() for reason in mod.ALLOWED_REACHES.values())
+    reaches = mod.not_allowed(mod.private_reaches(ROOT / "kvcache_ggml"), mod.ALLOWED_REACHES)
+    bad = [str(r) for r in reaches if r.path.as_posix().startswith(REACH_CLEAN)]
+    assert bad == [], "private reaches:\n" + "\n".join(bad)
+
+
+def test_reach_checker_counts_cross_object_and_mixin_reads_and_honours_the_allowlist(tmp_path, capsys):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "_helpers.py").write_text("_TABLE = {}\n\n\ndef _f():\n    return 1\n")
+    (pkg / "a.py").write_text(textwrap.dedent('''\
+        from ._helpers import _TABLE, _f                # module-level private names of a sibling: not reaches
+
+
+        class Mixin:
+            def helper(self):
+                return self._data + self._own          # _data: the host's (a reach); _own: its own
+                                                       # (assigned below)
+            def set_own(self):
+                self._own = _f()
+
+
+        class Base:
+            _limit = 3                                 # a class attribute: defined
+
+            def _check(self):
+                return self._limit
+
+
+        class Host(Mixin, Base):
+            __slots__ = ("_data", "_spare")            # a slot alone defines nothing
+
+            def __init__(self, other):
+                self._data = []
+                super()._check()                       # super(): the same object
+                self.__len__()                         # a dunder
+                other._data.append(1)                  # another object's private state
+                self._spare                            # declared in __slots__, assigned nowhere
+
+            def peek(self, other):
+                return other._data, _TABLE, other.__class__, other._type_   # one reach; a sunder is public
+        '''))
+    mod = load_checker()
+    reaches = mod.private_reaches(pkg)
+    assert [str(r) for r in reaches] == [
+        "pkg/a.py:6: self._data",      # Mixin reads a name it does not define
+        "pkg/a.py:26: other._data",
+        "pkg/a.py:27: self._spare",
+        "pkg/a.py:30: other._data",
+    ]
+    assert mod.main(["check_layout.py", str(pkg)]) == 1
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [str(r) for r in reaches]
+    assert "4 private reaches not allowed: pkg/a.py 4" in out.err
+    # an allowlist entry names (path, expression) and covers each line where it is written
+    mod.ALLOWED_REACHES = {("pkg/a.py", "other._data"): "why", ("pkg/a.py", "self._data"): "why",
+                           ("pkg/a.py", "self._spare"): "why"}
+    assert mod.main(["check_layout.py", str(pkg)]) == 0
+    assert capsys.readouterr().out == ""
+    mod.ALLOWED_REACHES = {("pkg/a.py", "other._data"): "why"}
+    assert mod.main(["check_layout.py", str(pkg)]) == 1
+    assert capsys.readouterr().out.splitlines() == ["pkg/a.py:6: self._data", "pkg/a.py:27: self._spare"]
+    mod.ALLOWED_REACHES = {("pkg/a.py", f"x._{i}"): "why" for i in range(mod.MAX_ALLOWED_REACHES + 1)}
+    assert mod.main(["check_layout.py", str(pkg)]) == 2  # more than 10 allowed: refused
+    p = subprocess.run([sys.executable, str(CHECKER), str(pkg)], capture_output=True, text=True)
+    assert p.returncode == 1 and p.stdout.splitlines() == [str(r) for r in reaches]
 
 
 def test_checker_counts_from_def_to_body_end(tmp_path):
