@@ -1,10 +1,14 @@
-"""Context parameters: llama.cpp's ``llama_cparams`` and how ``llama_context`` derives them.
+"""Context parameters: what a user sets (llama.cpp's ``llama_context_params``) and what a context resolves them to
+(``llama_cparams``).
 
-:class:`ContextParams` holds what a user sets (``llama_context_params``, with its "unset" sentinels: 0 for the
-sizes and RoPE base/scale, negative for the YaRN factors).  :meth:`CParams.from_hparams` resolves them against the
-model's hyper-parameters the way the ``llama_context`` constructor does.  Hyper-parameters that this project's
-:class:`~kvcache_ggml.hparams.HParams` does not carry (YaRN settings, the training RoPE scaling type) take the
-values llama.cpp's model loader gives a GGUF file without those keys.
+:class:`ContextParams` is the one parameter object of a :class:`~kvcache_ggml.runtime.context.Context`: the fields
+of ``llama_context_params`` this project honours, with llama.cpp's names, defaults and "unset" sentinels (0 for the
+sizes and RoPE base/scale, negative for the YaRN factors, UNSPECIFIED for the enums), then a few settings of this
+project's own runtime (graph reuse and caching, the fast paths).  :meth:`ContextParams.check` validates them all.
+:meth:`CParams.from_hparams` resolves them against the model's hyper-parameters the way the ``llama_context``
+constructor does.  Hyper-parameters that this project's :class:`~kvcache_ggml.hparams.HParams` does not carry (YaRN
+settings, the training RoPE scaling type) take the values llama.cpp's model loader gives a GGUF file without those
+keys.
 """
 from __future__ import annotations
 
@@ -15,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CParams", "ContextParams", "RopeScalingType", "GGML_DEFAULT_N_THREADS"]
+from ._consts import LLAMA_MAX_SEQ
+
+__all__ = ["AttentionType", "CParams", "ContextParams", "RopeScalingType", "GGML_DEFAULT_N_THREADS"]
 
 #: ggml.h's default thread count, llama_context_default_params' n_threads and n_threads_batch
 GGML_DEFAULT_N_THREADS = 4
 
-_LLAMA_MAX_SEQ = 256
 _N_CTX_PAD = 256  # llama_context pads n_ctx (and n_ctx_seq) to a multiple of this
 
 
@@ -33,31 +38,76 @@ class RopeScalingType(IntEnum):
     LONGROPE = 3
 
 
+class AttentionType(IntEnum):
+    """enum llama_attention_type (llama.h)."""
+    UNSPECIFIED = -1
+    CAUSAL = 0
+    NON_CAUSAL = 1
+
+
 @dataclass(slots=True)
 class ContextParams:
-    """The part of ``llama_context_params`` that feeds ``llama_cparams``, with llama_context_default_params()."""
+    """What a user sets for a context: ``llama_context_params`` with llama_context_default_params(), then this
+    project's runtime settings.  Validated by :meth:`check` (a Context checks them before it allocates)."""
 
-    n_ctx: int = 512                      # text context; 0 = the model's n_ctx_train
-    n_batch: int = 2048                   # logical batch size (capped at n_ctx with causal attention)
-    n_ubatch: int = 512                   # physical batch size; 0 = n_batch
-    n_seq_max: int = 1                    # sequences served (1..256)
-    n_threads: int = GGML_DEFAULT_N_THREADS        # threads for generation (one-token graphs, the K-shift)
-    n_threads_batch: int = GGML_DEFAULT_N_THREADS  # threads for batches of several tokens
+    n_ctx: int = 512                  # context size in tokens, all sequences together; 0 = the model's n_ctx_train
+    n_batch: int = 2048               # logical batch: most tokens one decode() accepts (capped at n_ctx if causal)
+    n_ubatch: int = 512               # physical batch: most tokens one graph computes; 0 = n_batch
+    n_seq_max: int = 1                # sequences the context serves (1..256)
+    n_threads: int = GGML_DEFAULT_N_THREADS        # CPU threads for one-token graphs (and the K-shift)
+    n_threads_batch: int = GGML_DEFAULT_N_THREADS  # CPU threads for graphs of several tokens
     rope_scaling_type: RopeScalingType = RopeScalingType.UNSPECIFIED  # UNSPECIFIED = the model's
-    rope_freq_base: float = 0.0           # RoPE base frequency; 0 = the model's
-    rope_freq_scale: float = 0.0          # RoPE frequency scale; 0 = the model's
-    yarn_ext_factor: float = -1.0         # YaRN extrapolation mix; negative = the model's
-    yarn_attn_factor: float = -1.0        # YaRN magnitude scale; negative = the model's
-    yarn_beta_fast: float = -1.0          # YaRN low correction dim; negative = the model's
-    yarn_beta_slow: float = -1.0          # YaRN high correction dim; negative = the model's
-    yarn_orig_ctx: int = 0                # YaRN original context; 0 = the model's
-    causal_attn: bool | None = None       # causal attention; None = the model's (llama.cpp: attention_type)
-    flash_attn: bool = True               # flash attention (llama.cpp's default AUTO enables it where supported)
-    embeddings: bool = False              # extract embeddings
-    offload_kqv: bool = True              # KQV ops and the KV cache on the device
-    no_perf: bool = True                  # no performance timings
-    op_offload: bool = True               # offload host-tensor ops to the device
-    kv_unified: bool = False              # one KV stream shared by all sequences
+    attention_type: AttentionType = AttentionType.UNSPECIFIED          # UNSPECIFIED = the model's (causal)
+    rope_freq_base: float = 0.0       # RoPE base frequency; 0 = the model's
+    rope_freq_scale: float = 0.0      # RoPE frequency scale; 0 = the model's
+    yarn_ext_factor: float = -1.0     # YaRN extrapolation mix; negative = the model's
+    yarn_attn_factor: float = -1.0    # YaRN magnitude scale; negative = the model's
+    yarn_beta_fast: float = -1.0      # YaRN low correction dim; negative = the model's
+    yarn_beta_slow: float = -1.0      # YaRN high correction dim; negative = the model's
+    yarn_orig_ctx: int = 0            # YaRN original context; 0 = the model's
+    type_k: str = "f16"               # ggml type of the K cache
+    type_v: str = "f16"               # ggml type of the V cache
+    embeddings: bool = False          # extract embeddings (resolved into CParams; the runtime returns logits)
+    offload_kqv: bool = True          # K/V of layer il on the model's dev_layer(il) (the CPU by default)
+    flash_attn: bool = True           # ggml_flash_attn_ext over a non-transposed V; else mul_mat + soft_max
+    #                                   (llama.cpp's default, AUTO, enables it where supported)
+    no_perf: bool = True              # no host timings: StepTimes keeps its counts, its seconds stay 0 (False
+    #                                   measures each phase of each step)
+    op_offload: bool = True           # offload host-tensor ops to the device (with a device backend)
+    swa_full: bool = True             # sliding-window models: a full-size SWA cache
+    kv_unified: bool = False          # one cache stream shared by all sequences; else one stream per sequence
+    # -- this project's runtime, not in llama_context_params
+    fa_cast_f32_kv: bool = False      # cast an F32 K/V cache to F16 before flash attention, as llama.cpp does
+    graph_reuse: bool = True          # compute the previous graph again when its topology fits the ubatch
+    graph_cache: int = 16             # small graphs kept by topology, each allocated in its own scheduler, so a
+    #                                   step of a shape seen before computes its graph without building it (0: the
+    #                                   previous graph alone, as llama.cpp); GraphCache
+    graph_cache_tokens: int = 32      # graphs of at most this many tokens are kept (the decode steps)
+    fast_paths: bool = True           # the decode step's fast paths (allocator, bookkeeping, inputs, fused step);
+    #                                   False: the general code alone, the same results (the equivalence tests)
+
+    def check(self) -> None:
+        """ValueError naming the first field out of its range (nothing is changed)."""
+        for name in ("n_batch", "n_seq_max", "n_threads", "n_threads_batch", "graph_cache_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name, why in (("n_ctx", "0: the model's training context"), ("n_ubatch", "0: n_batch"),
+                          ("yarn_orig_ctx", "0: the model's"), ("rope_freq_base", "0: the model's"),
+                          ("rope_freq_scale", "0: the model's"), ("graph_cache", "0: the previous graph alone")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 ({why}), got {getattr(self, name)}")
+        if self.n_seq_max > LLAMA_MAX_SEQ:
+            raise ValueError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}, got {self.n_seq_max}")
+        for name, enum in (("rope_scaling_type", RopeScalingType), ("attention_type", AttentionType)):
+            if getattr(self, name) not in set(enum):
+                raise ValueError(f"{name} must be one of {[int(e) for e in enum]} ({enum.__name__}), "
+                                 f"got {getattr(self, name)!r}")
+        from .ggml import parse_type  # the binding's table of type names (no ggml call)
+        for name in ("type_k", "type_v"):
+            try:
+                parse_type(getattr(self, name))
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
 
 
 @dataclass(slots=True)
@@ -95,8 +145,7 @@ class CParams:
     def from_hparams(cls, hparams: Any, params: ContextParams | None = None) -> "CParams":
         """Resolve ``params`` against the model, as the llama_context constructor does."""
         p = params if params is not None else ContextParams()
-        if p.n_seq_max > _LLAMA_MAX_SEQ:
-            raise ValueError(f"n_seq_max must be <= {_LLAMA_MAX_SEQ}, got {p.n_seq_max}")
+        p.check()
         h = _ModelRope.of(hparams)
         c = cls()
         c.n_seq_max = max(1, p.n_seq_max)
@@ -112,7 +161,8 @@ class CParams:
         c.n_ctx_orig_yarn = (p.yarn_orig_ctx if p.yarn_orig_ctx != 0 else
                              h.n_ctx_orig_yarn if h.n_ctx_orig_yarn != 0 else h.n_ctx_train)
         _resolve_yarn(c, p, h)
-        c.causal_attn = h.causal_attn if p.causal_attn is None else bool(p.causal_attn)
+        c.causal_attn = (h.causal_attn if p.attention_type == AttentionType.UNSPECIFIED else
+                         p.attention_type == AttentionType.CAUSAL)
         c.flash_attn = p.flash_attn
         c.n_batch = min(c.n_ctx, p.n_batch) if c.causal_attn else p.n_batch
         c.n_ubatch = min(c.n_batch, p.n_ubatch if p.n_ubatch != 0 else p.n_batch)

@@ -226,11 +226,12 @@ def _checks(args, model_path: Path, ctx, run, shifter: _Shifter) -> bool:
 def run(args: argparse.Namespace, model_path: Path) -> int:
     from . import ggml as G
     from .runtime.arch import load_model
-    from .runtime.context import Context, RuntimeParams
+    from .cparams import ContextParams
+    from .runtime.context import Context
     from .runtime.memory import kv_memory_plan
 
     G.set_log_level(3)
-    params = RuntimeParams(n_ctx=args.n_ctx, n_batch=max(args.n_ctx, args.prompt_len, 512), n_ubatch=512,
+    params = ContextParams(n_ctx=args.n_ctx, n_batch=max(args.n_ctx, args.prompt_len, 512), n_ubatch=512,
                            n_seq_max=args.n_par, kv_unified=args.unified, flash_attn=args.flash_attn,
                            type_k=args.type_k, type_v=args.type_v, n_threads=args.threads,
                            n_threads_batch=args.threads, swa_full=args.swa_full, no_perf=False)
@@ -326,8 +327,8 @@ def main(argv: list[str]) -> int:
         else:
             from .runtime.modelmaker import ModelSpec, make_model
             with tempfile.TemporaryDirectory(prefix="kvcache_demo_") as tmp:
-                path = make_model(Path(tmp) / "tiny-llama.gguf",
-                                  ModelSpec(layers=4, embd=128, heads=8, heads_kv=4, ff=256, vocab=256, seed=args.seed))
+                spec = ModelSpec(layers=4, embd=128, heads=8, heads_kv=4, ff=256, vocab=256, seed=args.seed)
+                path = make_model(Path(tmp) / "tiny-llama.gguf", spec)
                 rc = run(args, path)
     except Exception as e:  # a clear one-line failure for the CLI
         print(f"demo failed: {type(e).__name__}: {e}", file=sys.stderr)

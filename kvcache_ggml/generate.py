@@ -53,7 +53,8 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     from . import ggml as G
     from .runtime.arch import load_model
-    from .runtime.context import Context, RuntimeParams
+    from .cparams import ContextParams
+    from .runtime.context import Context
     from .runtime.memory import kv_memory_plan
     from .runtime.parallel import fork_decode
     from .runtime.tokenizer import StreamDecoder, Vocab
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
     with load_model(a.model) as model:
         vocab = Vocab.from_kv(model.gguf_kv, str(a.model))
         prompt = np.array(vocab.tokenize(a.prompt, add_special=True, parse_special=True), np.int32)
-        params = RuntimeParams(n_ctx=a.n_ctx, n_batch=max(len(prompt), a.n_par), n_seq_max=a.n_par,
+        params = ContextParams(n_ctx=a.n_ctx, n_batch=max(len(prompt), a.n_par), n_seq_max=a.n_par,
                                kv_unified=True, flash_attn=a.flash_attn, n_threads=a.threads,
                                n_threads_batch=a.threads)
         for line in kv_memory_plan(model, params).describe(params.type_k, params.type_v):

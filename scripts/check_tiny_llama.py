@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "oracle"))  # llama_runner
 
 from kvcache_ggml.batch import Batch
-from kvcache_ggml.runtime import Context, Model, Reference, RuntimeParams, Vocab
+from kvcache_ggml.runtime import Context, ContextParams, Model, Reference, Vocab
 from llama_runner import b64_floats, llama_available, run_llama
 
 PROMPTS = ("Return the number of", "This module provides", "If the file does not exist,", "The default value")
@@ -42,7 +42,7 @@ def export_check(gguf: Path, probe: Path) -> float:
     tokens, want = p["tokens"], p["logits"]
     scale = float(np.abs(want).max())
     ref = Reference(gguf).forward(tokens)
-    with Model(gguf) as m, Context(m, RuntimeParams(n_ctx=len(tokens), n_batch=len(tokens), flash_attn=False,
+    with Model(gguf) as m, Context(m, ContextParams(n_ctx=len(tokens), n_batch=len(tokens), flash_attn=False,
                                                     type_k="f32", type_v="f32", n_threads=1,
                                                     n_threads_batch=1)) as ctx:
         ours = ctx.decode(Batch(token=tokens.astype(np.int32), pos=np.arange(len(tokens), dtype=np.int32),
@@ -58,7 +58,7 @@ def export_check(gguf: Path, probe: Path) -> float:
 def ours_greedy(gguf: Path, prompt: list[int], n_predict: int, flash_attn: bool, vocab: Vocab):
     """Our runtime's greedy tokens and the logit rows they were taken from."""
     n_ctx = len(prompt) + n_predict
-    with Model(gguf) as m, Context(m, RuntimeParams(n_ctx=n_ctx, n_batch=n_ctx, kv_unified=True,
+    with Model(gguf) as m, Context(m, ContextParams(n_ctx=n_ctx, n_batch=n_ctx, kv_unified=True,
                                                     flash_attn=flash_attn, n_threads=1, n_threads_batch=1)) as ctx:
         row = ctx.decode(Batch(token=np.array(prompt, np.int32), pos=np.arange(len(prompt), dtype=np.int32)))[-1]
         toks, rows = [], []

@@ -183,7 +183,7 @@ def test_fused_step_across_the_padding_boundary(model):
 
 @pytest.mark.parametrize("unified", [True, False], ids=["unified", "streams"])
 def test_one_switch_turns_every_decode_fast_path_off(model, unified):
-    """RuntimeParams.fast_paths=False: no fused step, and the allocator's, the bookkeeping's and the inputs' fast
+    """ContextParams.fast_paths=False: no fused step, and the allocator's, the bookkeeping's and the inputs' fast
     paths off -- with the same logits, outputs and cells as the fast context, step after step."""
     kw = dict(n_ctx=64 * N_SEQ, n_seq_max=N_SEQ, kv_unified=unified, n_threads=1, n_threads_batch=1)
     with Context(model, **kw) as a, Context(model, fast_paths=False, **kw) as b:

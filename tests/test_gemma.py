@@ -15,7 +15,7 @@ from kvcache_ggml.batch import Batch
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams, SwaType
 from kvcache_ggml.cache.iswa import KVCacheISWA
-from kvcache_ggml.runtime import Context, RuntimeParams
+from kvcache_ggml.runtime import Context, ContextParams
 from kvcache_ggml.runtime.arch import load_model, runtime_for
 from kvcache_ggml.runtime.gemma import GemmaModel, GemmaParams
 from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
@@ -218,7 +218,7 @@ def test_sequence_state_round_trip(gemma):
 def test_memory_plan_has_both_caches(gemma, swa_full, unified):
     from kvcache_ggml.runtime.memory import kv_memory_plan
     model, _ = gemma
-    p = RuntimeParams(n_ctx=1024, n_ubatch=32, n_seq_max=2, kv_unified=unified, swa_full=swa_full)
+    p = ContextParams(n_ctx=1024, n_ubatch=32, n_seq_max=2, kv_unified=unified, swa_full=swa_full)
     plan = kv_memory_plan(model, p)
     with Context(model, p) as ctx:
         base, swa = ctx.kv.get_base(), ctx.kv.get_swa()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvcache_ggml.generate import main as generate_main
-from kvcache_ggml.runtime import Context, Model, Reference, RuntimeParams, make_model
+from kvcache_ggml.runtime import Context, ContextParams, Model, Reference, make_model
 from kvcache_ggml.runtime.memory import kv_memory_plan
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 from kvcache_ggml.runtime.tokenizer import Vocab
@@ -74,7 +74,7 @@ def test_bad_sampling_options_are_refused(gpt2_model, capsys):
 
 def test_memory_plan_before_allocation(gpt2_model):
     with Model(gpt2_model) as m:
-        for p in (RuntimeParams(n_ctx=0, n_seq_max=3), RuntimeParams(n_ctx=300, n_seq_max=2, kv_unified=True,
+        for p in (ContextParams(n_ctx=0, n_seq_max=3), ContextParams(n_ctx=300, n_seq_max=2, kv_unified=True,
                                                                     type_k="q8_0", type_v="f32")):
             plan = kv_memory_plan(m, p)
             with Context(m, p) as ctx:
@@ -82,7 +82,7 @@ def test_memory_plan_before_allocation(gpt2_model):
                 assert plan.total == ctx.kv.size_k_bytes() + ctx.kv.size_v_bytes()
                 assert {ln.buft: ln.total for ln in plan.lines} == ctx.kv.memory_breakdown()
         # n_ctx = 0: the model's training context (1024), split into 3 streams padded to 256
-        plan = kv_memory_plan(m, RuntimeParams(n_ctx=0, n_seq_max=3))
+        plan = kv_memory_plan(m, ContextParams(n_ctx=0, n_seq_max=3))
         assert (plan.n_ctx, plan.kv_size, plan.n_stream) == (3 * 512, 512, 3)
         hp = m.hparams
         assert plan.lines[0].bytes_per_token == hp.n_layer * 2 * 2 * hp.n_embd_k_gqa(0)  # f16 K and V

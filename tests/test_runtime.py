@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from kvcache_ggml.batch import Batch
+from kvcache_ggml.cparams import AttentionType, ContextParams, CParams
+from kvcache_ggml.hparams import HParams
 from kvcache_ggml.runtime import Context, DecodeError, Model, Reference, make_model
 from kvcache_ggml.runtime.modelmaker import ModelSpec
 from kvcache_ggml.runtime.modelmaker import main as make_model_main
@@ -355,9 +357,39 @@ def test_close_is_idempotent(tiny):
         Context(m)
 
 
+@pytest.mark.parametrize("field,value,msg", [
+    ("n_batch", 0, "n_batch must be >= 1, got 0"), ("n_seq_max", 0, "n_seq_max must be >= 1, got 0"),
+    ("n_seq_max", 257, "n_seq_max must be <= 256, got 257"), ("n_threads", 0, "n_threads must be >= 1"),
+    ("n_threads_batch", -2, "n_threads_batch must be >= 1, got -2"), ("n_ctx", -1, "n_ctx must be >= 0"),
+    ("n_ubatch", -1, r"n_ubatch must be >= 0 \(0: n_batch\), got -1"), ("graph_cache", -1, "graph_cache must be"),
+    ("graph_cache_tokens", 0, "graph_cache_tokens must be >= 1"), ("rope_freq_scale", -0.5, "rope_freq_scale"),
+    ("rope_scaling_type", 7, "rope_scaling_type must be one of"), ("attention_type", 2, "attention_type must be"),
+    ("type_k", "f13", "type_k: unknown ggml type name 'f13'"), ("type_v", "q9", "type_v: unknown ggml type"),
+])
+def test_context_params_check_names_the_field_and_the_limit(field, value, msg):
+    p = ContextParams(**{field: value})
+    before = repr(p)
+    with pytest.raises(ValueError, match=msg):
+        p.check()
+    assert repr(p) == before                                        # nothing changed
+    with pytest.raises(ValueError, match=msg):
+        CParams.from_hparams(HParams.simple(1, 8, 1, 1), p)         # resolving checks first
+    ContextParams().check()                                         # llama.cpp's defaults pass
+
+
+def test_context_params_resolve_as_llama_context(model):
+    """n_ubatch 0 is n_batch and the attention type the model's unless set (llama_context's constructor)."""
+    with Context(model, n_ctx=256, n_batch=64, n_ubatch=0) as ctx:
+        assert (ctx.cparams.n_batch, ctx.cparams.n_ubatch, ctx.cparams.causal_attn) == (64, 64, True)
+    hp = HParams.simple(1, 8, 1, 1)
+    assert CParams.from_hparams(hp, ContextParams(n_batch=4096, n_ctx=300)).n_batch == 300  # capped at n_ctx
+    c = CParams.from_hparams(hp, ContextParams(n_batch=4096, n_ctx=300, attention_type=AttentionType.NON_CAUSAL))
+    assert not c.causal_attn and c.n_batch == 4096                  # no cap without causal attention
+
+
 def test_bad_params(model, tmp_path):
     with pytest.raises(ValueError, match="n_ubatch"):
-        Context(model, n_ubatch=0)
+        Context(model, n_ubatch=-1)
     with pytest.raises(ValueError, match="unknown ggml type"):
         Context(model, type_k="f13")
     with pytest.raises(FileNotFoundError):

@@ -367,7 +367,7 @@ class KVCache:
 
     def set_fast_paths(self, on: bool) -> None:
         """Turn the decode step's fast paths of the bookkeeping and the inputs on or off (off: the general code
-        alone, with the same results; the equivalence tests compare both).  ``RuntimeParams.fast_paths`` is the
+        alone, with the same results; the equivalence tests compare both).  ``ContextParams.fast_paths`` is the
         runtime's one switch: these, the allocator's and the fused step."""
         self.book.fast = self.inputs.fast = bool(on)
 

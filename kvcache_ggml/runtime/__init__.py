@@ -18,7 +18,7 @@ from .._lazy import lazy_exports
 _LAZY = {
     "Model": ".model",
     "Context": ".context",
-    "RuntimeParams": ".params",
+    "ContextParams": "..cparams",
     "DecodeError": ".context",
     "make_model": ".modelmaker",
     "ModelSpec": ".modelmaker",

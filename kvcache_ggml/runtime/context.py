@@ -1,8 +1,9 @@
 """A decoding context: llama.cpp's ``llama_context`` for a llama model over :class:`~kvcache_ggml.cache.KVCache`.
 
-``Context(model, params)`` resolves the parameters (:class:`RuntimeParams` -> ``CParams``), creates the KV cache
-(``v_trans = not flash_attn``, ``kv_size = n_ctx_seq``), a backend scheduler over the devices holding the model
-(CPU last), one graph context reused across steps and the small graphs kept per shape (:mod:`.graph_cache`).
+``Context(model, params)`` resolves the parameters (:class:`~kvcache_ggml.cparams.ContextParams` -> ``CParams``),
+creates the KV cache (``v_trans = not flash_attn``, ``kv_size = n_ctx_seq``), a backend scheduler over the devices
+holding the model (CPU last), one graph context reused across steps and the small graphs kept per shape
+(:mod:`.graph_cache`).
 :meth:`Context.decode` follows ``llama_decode``: validate and auto-fill the batch, apply pending memory updates
 (stream copies, K-shift), split and place the ubatches, then per ubatch ``apply()`` and one ggml graph; the logits
 of the output tokens come back in batch order.
@@ -24,16 +25,15 @@ from ..cache import UpdateContext
 from .._consts import LLAMA_MAX_SEQ
 from ..batch import Batch, BatchAllocator
 from ..cache import KVCache, KVCacheParams, Memory, MemoryStatus
-from ..cparams import CParams
+from ..cparams import ContextParams, CParams
 from ..cache.state.files import load_seq_file, save_seq_file
-from .params import RuntimeParams
 from .step_times import StepTimes, TimedSplits
 from .arch import runtime_for
 from .fused_step import FusedStep, StepHost
 from .graph import DecoderGraph
 from .graph_cache import GraphCache
 
-__all__ = ["Context", "RuntimeParams", "DecodeError", "StepTimes"]
+__all__ = ["Context", "DecodeError", "StepTimes"]
 
 _perf = time.perf_counter
 _no_clock = float  # the clock of a context with no_perf: float() is 0.0, a C call as cheap as a clock
@@ -54,18 +54,17 @@ class DecodeError(RuntimeError):
 class Context:
     """A KV cache, a scheduler and the last graph over a :class:`~kvcache_ggml.runtime.model.Model`."""
 
-    def __init__(self, model: Any, params: RuntimeParams | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: Any, params: ContextParams | None = None, **kwargs: Any) -> None:
         if params is None:
-            params = RuntimeParams(**kwargs)
+            params = ContextParams(**kwargs)
         elif kwargs:
             raise TypeError(f"pass either params or keyword arguments, not both: {sorted(kwargs)}")
-        params.check()
         if getattr(model, "closed", False):
             raise ValueError("the model is closed")
         self.model = model
         self.params = params
         hp = model.hparams
-        self.cparams: CParams = CParams.from_hparams(hp, params.context_params())
+        self.cparams: CParams = CParams.from_hparams(hp, params)
         self.n_vocab = int(model.n_vocab)
         self.times = StepTimes()
         self._rt = runtime_for(hp.arch)                   # the architecture's memory and graph

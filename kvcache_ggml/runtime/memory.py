@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import ggml as G
-from ..cparams import CParams
+from ..cparams import ContextParams, CParams
 from ..hparams import SwaType
 from ..cache.iswa import swa_cache_size
 from .arch import runtime_for
@@ -59,11 +59,10 @@ class KVMemoryPlan:
         return out
 
 
-def kv_memory_plan(model: Any, params: Any) -> KVMemoryPlan:
-    """The KV memory a :class:`Context` over ``model`` with ``params`` (RuntimeParams) will allocate."""
-    params.check()
+def kv_memory_plan(model: Any, params: ContextParams) -> KVMemoryPlan:
+    """The KV memory a :class:`Context` over ``model`` with ``params`` will allocate."""
     hp = model.hparams
-    cp = CParams.from_hparams(hp, params.context_params())
+    cp = CParams.from_hparams(hp, params)  # checks params
     n_stream = 1 if params.kv_unified else cp.n_seq_max
     tk, tv = G.parse_type(params.type_k), G.parse_type(params.type_v)
     cpu = G.ggml_backend_dev_by_type(int(G.DeviceType.CPU))

@@ -43,13 +43,14 @@ def restore_check(ctx: Any, src: int, dst: int, history: list[int], probe: int, 
     The cells, exactly: dst's state must equal src's as it was saved, byte for byte (the same cells in the same
     order, positions, K and V rows; :func:`same_sequence_state`; the state src has afterwards may be smaller: a
     sliding-window cache reuses cells outside every window, src's too, when it places dst's).  The logits of the
-    same next token in both, within a stated bound: dst's cells sit elsewhere in the cache, so the probe's own new cell lands at another place among them
-    and the attention adds the same terms in another order.  With an F16 V and flash attention the CPU kernel
-    accumulates V in F16 (unit roundoff u = 2^-11), otherwise in F32 (u = 2^-24).  Reordering a sum of n terms
-    moves it by at most about n*u of its magnitude (first order), in each of the n_layer attention layers, and the
-    residual stream adds the layers' perturbations: tol = n_layer * n_attended * u.  That is a worst-case bound
-    (seen: 3e-2 against 0.25 for 8 layers and 64 cells in F16; 0 or ~1e-7 with F32 sums); the exact part of the
-    check is the cells.  ``corrupt(ctx, dst)`` (tests) may damage dst after the restore.
+    same next token in both, within a stated bound: dst's cells sit elsewhere in the cache, so the probe's own new
+    cell lands at another place among them and the attention adds the same terms in another order.  With an F16 V
+    and flash attention the CPU kernel accumulates V in F16 (unit roundoff u = 2^-11), otherwise in F32
+    (u = 2^-24).  Reordering a sum of n terms moves it by at most about n*u of its magnitude (first order), in each
+    of the n_layer attention layers, and the residual stream adds the layers' perturbations:
+    tol = n_layer * n_attended * u.  That is a worst-case bound (seen: 3e-2 against 0.25 for 8 layers and 64 cells
+    in F16; 0 or ~1e-7 with F32 sums); the exact part of the check is the cells.  ``corrupt(ctx, dst)`` (tests)
+    may damage dst after the restore.
     """
     saved = ctx.state_seq_get_data(src)
     with tempfile.TemporaryDirectory(prefix="kvcache_restore_") as tmp:

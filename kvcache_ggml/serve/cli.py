@@ -65,7 +65,7 @@ def open_service(a: argparse.Namespace):
     from ..prefix import HostParams, PrefixParams
     from ..runtime.arch import load_model
     from ..runtime.context import Context
-    from ..runtime.params import RuntimeParams
+    from ..cparams import ContextParams
     from ..runtime.tokenizer import Vocab
     from .app import Service
     from .chat import ChatTemplate
@@ -74,11 +74,10 @@ def open_service(a: argparse.Namespace):
     model = load_model(a.model)
     try:
         vocab = Vocab.from_kv(model.gguf_kv, str(a.model))
-        params = RuntimeParams(n_ctx=a.n_ctx, n_batch=a.batch, n_ubatch=min(a.ubatch, a.batch),
+        params = ContextParams(n_ctx=a.n_ctx, n_batch=a.batch, n_ubatch=min(a.ubatch, a.batch),
                                n_seq_max=a.parallel + a.parked, kv_unified=a.kv_unified,
                                flash_attn=a.flash_attn == "on", n_threads=a.threads, n_threads_batch=a.threads,
                                type_k=a.cache_type_k, type_v=a.cache_type_v)
-        params.check()
         ctx = Context(model, params)
     except BaseException:
         model.close()
