@@ -1,10 +1,11 @@
 """Prompt reuse on a multi-turn chat workload: prompt tokens decoded and time to first token, with and without the
 prefix cache, next to llama-cpp-python with and without its LlamaRAMCache.
 
-The workload (:func:`kvcache_ggml.runtime.server.chat_workload`): ``--users`` users, ``--turns`` turns each,
+The workload (:func:`_workload.chat_workload`): ``--users`` users, ``--turns`` turns each,
 round-robin, one shared system prompt of ``--system`` tokens, user messages of ``--user-min``..``--user-max``
 tokens, replies of ``--reply`` tokens (forced, so every engine generates the same tokens); each prompt is the whole
-history.  Every engine serves the requests one after another (``max_active=1`` for ours) on the same random llama
+history.  Every engine serves the requests one after another (ours: the serving engine, ``n_parallel=1``,
+replies forced) on the same random llama
 GGUF, with the same threads, cache type and flash attention:
 
 * ours, no prefix cache: every prompt decoded in full;
@@ -36,10 +37,13 @@ from kvcache_ggml.batch import Batch
 from kvcache_ggml.prefix import HostParams, PrefixParams
 from kvcache_ggml.runtime import Context, Model, make_model
 from kvcache_ggml.runtime.modelmaker import ModelSpec
-from kvcache_ggml.runtime.server import Server, chat_workload
+from kvcache_ggml.runtime.tokenizer import Vocab
+from kvcache_ggml.serve.engine import Engine, EngineParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "oracle"))
 from llama_runner import ORACLE_PY, llama_available  # noqa: E402
+
+from _workload import chat_workload, replay  # noqa: E402 (this folder)
 
 HERE = Path(__file__).resolve().parent
 
@@ -56,7 +60,7 @@ def ideal_decoded(reqs) -> int:
             neq = np.flatnonzero(s[:m] != t[:m])
             best = max(best, int(neq[0]) if neq.size else m)
         total += t.size - min(best, t.size - 1)
-        seen.append(np.concatenate([t, np.asarray(r.forced)[:r.max_new_tokens - 1]]))
+        seen.append(np.concatenate([t, r.reply[:-1]]))
     return total
 
 
@@ -66,14 +70,14 @@ def ours(path: Path, reqs, a, label: str, prefix: PrefixParams, n_ctx: int) -> d
                                    n_threads=a.threads, n_threads_batch=a.threads) as ctx:
         ctx.decode(Batch(token=np.arange(3, 67, dtype=np.int32)))  # warm-up: graph allocation
         ctx.memory_clear()
-        srv = Server(ctx, prefix, max_active=1, keep_logits=True)
+        eng = Engine(ctx, Vocab.from_kv(m.gguf_kv), EngineParams(n_parallel=1, warmup=False), prefix)
         t0 = time.perf_counter()
-        resp = srv.serve(reqs)
+        resp = replay(eng, reqs, keep_logits=True)
         wall = time.perf_counter() - t0
-        st = srv.prefix.stats
+        st = eng.prefix.stats
         note = (f"{st.hits_device} device / {st.hits_host} host hits, {st.evictions} evictions, host peak "
                 f"{st.host_bytes_peak / 2**20:.1f} MiB" if prefix.reuse else "")
-        srv.prefix.close()
+        eng.prefix.close()
     return {"label": label, "decoded": sum(r.n_decoded for r in resp), "ttft": [r.ttft for r in resp],
             "wall": wall, "note": note, "logits": [r.first_logits for r in resp]}
 
@@ -83,7 +87,7 @@ def llama(path: Path, reqs, a, label: str, cache_bytes: int) -> dict | None:
         return None
     spec = {"model": str(path), "n_ctx": a.n_ctx, "n_batch": 512, "threads": a.threads,
             "flash_attn": a.flash_attn, "type_kv": a.type_kv, "cache_bytes": cache_bytes,
-            "requests": [{"tokens": [int(t) for t in r.tokens], "forced": [int(t) for t in r.forced]}
+            "requests": [{"tokens": [int(t) for t in r.tokens], "forced": [int(t) for t in r.reply]}
                          for r in reqs]}
     p = subprocess.run([str(ORACLE_PY), str(HERE / "_llama_prefix.py")], input=json.dumps(spec),
                        capture_output=True, text=True, timeout=1800)

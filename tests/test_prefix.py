@@ -20,7 +20,6 @@ from kvcache_ggml.prefix import (HostParams, HostTier, LRUPolicy, PrefixCache, P
 from kvcache_ggml.prefix.policy import Candidate
 from kvcache_ggml.runtime import Context, DecodeError, Model, make_model
 from kvcache_ggml.runtime.modelmaker import ModelSpec
-from kvcache_ggml.runtime.server import Request, Server, chat_workload, format_responses
 from kvcache_ggml.cache.state import read_state_file
 
 from helpers import prefill
@@ -470,44 +469,3 @@ def test_claim_per_stream(model):
 @given(token_lists, token_lists, st.integers(0, 12))
 def test_common_prefix_matches_brute_force(a, b, limit):
     assert common_prefix(a, b, limit) == min(lcp(a, b), limit)
-
-
-# ============================================================================================== the server
-
-
-def expected_reuse(requests, cached_len_of):
-    """Per request: the longest prefix (at most n-1 tokens) shared with anything served before, in full."""
-    out, seen = [], []
-    for r in requests:
-        n = len(r.tokens)
-        out.append(max((min(lcp(s, r.tokens), n - 1) for s in seen), default=0))
-        seen.append(np.concatenate([r.tokens, r.forced[:cached_len_of(r)]]))
-    return out
-
-
-@pytest.mark.parametrize("unified", [True, False])
-def test_server_reuses_what_the_workload_shares(model, unified):
-    reqs = chat_workload(3, 3, 32, user_len=(4, 10), reply_len=5, vocab=VOCAB, seed=1)
-    with ctx_of(model, n_ctx=4 * 256, kv_unified=unified) as c:
-        srv = Server(c, PrefixParams(), max_active=2, keep_logits=True)
-        resp = srv.serve(reqs)
-        assert [r.output for r in resp] == [list(map(int, q.forced)) for q in reqs]
-        # every sequence ever served stays on the device (4 sequences, no room pressure): everything shared reused
-        want = expected_reuse(reqs, lambda r: r.max_new_tokens - 1)
-        got = [r.n_reused for r in resp]
-        assert got == want, format_responses(resp)
-        assert sum(r.n_decoded for r in resp) == sum(len(q.tokens) for q in reqs) - sum(want)
-        for q, r in zip(reqs, resp):
-            assert rel_err(r.first_logits, fresh_logits(model, q.tokens, kv_unified=unified)) < TOL
-        assert check(srv.prefix) == []
-
-
-def test_server_without_reuse_decodes_everything(model):
-    reqs = chat_workload(2, 2, 16, user_len=(3, 5), reply_len=3, vocab=VOCAB, seed=2)
-    with ctx_of(model) as c:
-        resp = Server(c, PrefixParams(reuse=False)).serve(reqs)
-    assert [r.n_reused for r in resp] == [0] * 4
-    assert [r.n_decoded for r in resp] == [len(q.tokens) for q in reqs]
-    assert "total" in format_responses(resp)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        Request([3], 0).check()

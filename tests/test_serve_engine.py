@@ -6,14 +6,20 @@ step, greedy.  The caches are F32, where differently split batches agree to 1e-5
 (docs/prompt-cache.md)."""
 from __future__ import annotations
 
+import sys
+import threading
+import time
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from kvcache_ggml.batch import Batch
-from kvcache_ggml.prefix import check
-from kvcache_ggml.runtime import Context, RuntimeParams, load_model, make_model
+from kvcache_ggml.prefix import PrefixParams, check
+from kvcache_ggml.runtime import Context, ContextParams, load_model, make_model
 from kvcache_ggml.runtime.tokenizer import Vocab
-from kvcache_ggml.serve.engine import Engine, EngineParams, Job, QueueFull
+from kvcache_ggml.serve.engine import Engine, EngineParams, QueueFull
+from kvcache_ggml.serve.request import TRANSITIONS, Job, RequestState
 from kvcache_ggml.serve.protocol import SamplingParams
 from kvcache_ggml.serve.sampling import Sampler
 from kvcache_ggml.serve.text import TextStream
@@ -30,7 +36,7 @@ def model(tmp_path_factory):
 
 
 def params(n_ctx=512, n_seq=4, n_batch=512, unified=True):
-    return RuntimeParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_seq_max=n_seq,
+    return ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_seq_max=n_seq,
                          kv_unified=unified, type_k="f32", type_v="f32", n_threads=2, n_threads_batch=2)
 
 
@@ -102,7 +108,7 @@ def test_advance_mixes_prompt_chunks_and_steps(model):
     ref_b, rows_b = alone(model, b, 1)
     with Context(model, params()) as ctx:
         pc = PrefixCache(ctx)
-        assert pc.attach(a, 0).n_decoded == 30 and pc.attach(a[:1], 2).logits is None
+        assert pc.attach(a, 0).n_decoded == 30 and pc.attach(a[:1], 2).n_decoded == 1
         pc.release(2)
         out = pc.advance([(0, a, True)])
         assert pc.attach(b, 1).n_reused == 0
@@ -222,3 +228,213 @@ def test_a_request_past_its_deadline_in_the_queue_gets_an_error(model):
         assert all("timed out" in s.done.text for s in sinks)
         assert eng.stats.requests_failed == 2 and eng.stats.computed_tokens == 0
         assert sum(c.get_used() for c in ctx.kv.v_cells) == 0
+
+
+# ---------------------------------------------------------------------------------------------- request states
+
+def test_every_transition_is_driven_and_no_other_is_allowed(model):
+    """Four schedules drive every edge of TRANSITIONS (collected from the requests' histories), and a move the table
+    does not list raises."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    seen: set[tuple[RequestState, RequestState]] = set()
+
+    def edges(jobs):
+        for j, _ in jobs:
+            path = [*j.history, j.state]
+            seen.update(zip(path, path[1:]))
+            assert j.state is RequestState.FINISHED
+
+    with Context(model, params()) as ctx:
+        # WAITING -> WAITING_PREFIX -> PREFILL -> DECODING -> FINISHED: four users with one system prompt
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=4, step_tokens=16))
+        jobs = [job(vocab, p, 2) for p in prompts(4, 40, seed=11, shared=32)]
+        for j, _ in jobs:
+            eng.submit(j)
+        eng.step()
+        S = RequestState
+        assert [j.state for j, _ in jobs] == [S.PREFILL, S.WAITING_PREFIX, S.WAITING_PREFIX, S.WAITING_PREFIX]
+        eng.cancel(jobs[3][0])  # WAITING_PREFIX -> FINISHED
+        eng.run_until_idle()
+        assert jobs[3][1].done.finish_reason == "cancelled"
+        edges(jobs)
+        # WAITING_PREFIX -> WAITING (the prefix is read, but both places are taken), WAITING -> FINISHED (cancelled
+        # in the queue)
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=2, step_tokens=8))
+        a, b = prompts(2, 30, seed=12, shared=24)
+        ja, jb, jc = job(vocab, a, 6), job(vocab, b, 2), job(vocab, prompts(1, 5, seed=13)[0], 8)
+        je = job(vocab, prompts(1, 5, seed=14)[0], 2)
+        for j, _ in (ja, jb, jc, je):
+            eng.submit(j)
+        for _ in range(6):
+            eng.step()
+        assert jb[0].state is RequestState.WAITING and RequestState.WAITING_PREFIX in jb[0].history
+        assert je[0].state is RequestState.WAITING
+        eng.cancel(je[0])
+        eng.run_until_idle()
+        assert je[1].done.finish_reason == "cancelled"
+        edges([ja, jb, jc, je])
+    with Context(model, params(n_ctx=256, n_seq=2, n_batch=64)) as ctx:
+        # PREFILL -> WAITING: two prompts of 150 fill 256 cells; the one admitted last goes back to the queue
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=2, step_tokens=64))
+        ps = prompts(2, 150, seed=15)
+        jobs = [job(vocab, ps[0], 12), job(vocab, ps[1], 3)]
+        for j, _ in jobs:
+            eng.submit(j)
+        eng.run_until_idle()
+        assert eng.stats.ended_full == 1 and jobs[1][0].history.count(RequestState.PREFILL) == 2
+        assert [s.tokens for _, s in jobs] == [alone(model, ps[0], 12)[0], alone(model, ps[1], 3)[0]]
+        edges(jobs)
+        # PREFILL -> FINISHED: cancelled while its prompt is read
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=2, step_tokens=8))
+        jf = job(vocab, prompts(1, 40, seed=16)[0], 3)
+        eng.submit(jf[0])
+        eng.step()
+        assert jf[0].state is RequestState.PREFILL
+        eng.cancel(jf[0])
+        eng.run_until_idle()
+        edges([jf])
+    want = {(a, b) for a, bs in TRANSITIONS.items() for b in bs}
+    assert seen == want, sorted((a.name, b.name) for a, b in want - seen)
+    j = job(vocab, [5, 6], 1)[0]
+    with pytest.raises(AssertionError, match="WAITING -> DECODING"):
+        j.move(RequestState.DECODING)
+    assert j.state is RequestState.WAITING and j.history == []
+
+
+def test_plan_execute_update_are_separate_steps(model):
+    """plan() claims the room and admits without decoding; execute() decodes exactly the plan's tokens; update()
+    samples: the cells grow by the plan's n_tokens, and the first token equals the prompt served alone."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    p = prompts(1, 20, seed=17)[0]
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=1, step_tokens=12))
+        j, sink = job(vocab, p, 2)
+        eng.submit(j)
+        assert eng.queue_depth == 1 and eng.n_running == 0
+        plan = eng.plan()             # takes the message, admits, claims 12 cells: decodes nothing
+        assert plan.admitted == [j] and plan.n_tokens == 12 and [c.sample for c in plan.chunks] == [False]
+        assert ctx.kv.get_used() == 0 and j.state is RequestState.PREFILL
+        eng.update(plan, eng.execute(plan))
+        assert ctx.kv.get_used() == 12 and j.fed == 12 and sink.events == []
+        plan = eng.plan()
+        assert plan.n_tokens == 8 and plan.chunks[0].sample
+        eng.update(plan, eng.execute(plan))
+        assert j.state is RequestState.DECODING and j.generated == alone(model, p, 1)[0]
+
+
+# ---------------------------------------------------------------------------------------------- threads
+
+def test_many_clients_with_cancellations_and_bad_requests_under_fast_thread_switching(model):
+    """64 client threads against the engine thread, Python switching threads every microsecond: random
+    cancellations, empty and too-long prompts between them, retries on QueueFull.  At the end every accepted request
+    has exactly one end event, the counters add up, the published snapshot equals the engine's counters, and the
+    cells hold exactly the parked sequences (audited, then all evicted: nothing left)."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    rng = np.random.default_rng(21)
+    ps = prompts(64, 12, seed=22, shared=6)
+    plan = [(p, int(rng.integers(1, 6)), bool(rng.random() < 0.3)) for p in ps]
+    greedy = {}
+
+    def alone_tokens(p, n):
+        key = p.tobytes()
+        if key not in greedy:
+            greedy[key] = alone(model, p, 5)[0]
+        return greedy[key][:n]
+
+    results: list = [None] * 64
+    bad = []
+    old = sys.getswitchinterval()
+    with Context(model, params(n_ctx=512, n_seq=4)) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=4, max_queue=8, warmup=False)).start()
+
+        def client(i):
+            p, n, cancel = plan[i]
+            if i % 8 == 3:  # a bad request first
+                for toks in (np.zeros(0, np.int32), np.full(600, 5, np.int32)):
+                    try:
+                        eng.submit(job(vocab, toks, 1)[0])
+                    except ValueError as err:
+                        bad.append(str(err))
+            j, sink = job(vocab, p, n)
+            while True:
+                try:
+                    eng.submit(j)
+                    break
+                except QueueFull:
+                    threading.Event().wait(0.001)
+            if cancel:
+                eng.cancel(j)
+            t0 = time.monotonic()
+            while not any(e.kind != "text" for e in list(sink.events)):
+                threading.Event().wait(0.001)
+                assert time.monotonic() - t0 < 60, f"client {i} got no end"
+            results[i] = (j, sink)
+
+        sys.setswitchinterval(1e-6)
+        try:
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        finally:
+            sys.setswitchinterval(old)
+        assert len(bad) == 16 and all("empty" in b or "600 tokens" in b for b in bad)
+        done = [s.done for _, s in results]
+        assert all(d.kind == "done" for d in done)
+        st = eng.call(lambda e: replace(e.stats)).result(30)
+        cancelled = sum(d.finish_reason == "cancelled" for d in done)
+        assert st.requests == 64 and st.requests_cancelled == cancelled and st.requests_failed == 0
+        assert st.generated_tokens == sum(d.usage.completion_tokens for d in done)
+        admissions = [j.history.count(RequestState.PREFILL) for j, _ in results]
+        assert st.prompt_tokens == sum(n * len(j.tokens) for n, (j, _) in zip(admissions, results))
+        for (j, s), (p, n, c) in zip(results, plan):
+            assert s.done.finish_reason == "cancelled" or s.tokens == alone_tokens(p, n)
+        assert eng.snapshot().stats == st and eng.snapshot().n_running == 0 and eng.queue_depth == 0
+        audit = eng.call(lambda e: check(e.prefix)).result(30)
+        assert audit == []
+
+        def drop(e):
+            for x in e.prefix.entries():
+                e.prefix.evict(x.seq_id, keep=False)
+            return e.ctx.kv.get_used()
+        assert eng.call(drop).result(30) == 0
+        eng.stop()
+
+
+# ---------------------------------------------------------------------------------------------- replays
+
+def test_replayed_workload_reuses_everything_it_shares(model):
+    """A chat workload replayed with forced replies, two requests at a time, on a cache with room for everything:
+    each turn reuses exactly the longest prefix it shares with what was served before (its own history, the system
+    prompt), outputs are the forced tokens, and each first-token logits row equals the prompt decoded alone."""
+    from _workload import chat_workload, format_served, replay
+    vocab = Vocab.from_kv(model.gguf_kv)
+    turns = chat_workload(3, 3, 32, user_len=(4, 10), reply_len=5, vocab=VOCAB, seed=1)
+    for unified in (True, False):
+        with Context(model, params(n_ctx=1024, unified=unified)) as ctx:
+            eng = Engine(ctx, vocab, EngineParams(n_parallel=2))
+            served = replay(eng, turns, keep_logits=True)
+            seen, want = [], []
+            for t in turns:
+                n = t.tokens.size
+                want.append(max((min(common_len(s, t.tokens), n - 1) for s in seen), default=0))
+                seen.append(np.concatenate([t.tokens, t.reply[:-1]]))
+            assert [s.n_cached for s in served] == want, format_served(served)
+            assert [s.output for s in served] == [t.reply.tolist() for t in turns]
+            assert eng.stats.computed_tokens == sum(t.tokens.size for t in turns) - sum(want)
+            for t, s in zip(turns, served):
+                ref = alone(model, t.tokens, 1)[1][0]
+                np.testing.assert_allclose(s.first_logits, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+            assert check(eng.prefix) == []
+    with Context(model, params()) as ctx:  # no reuse: every prompt token computed
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=2), PrefixParams(reuse=False))
+        served = replay(eng, turns[:4], together=True)
+        assert [s.n_cached for s in served] == [0] * 4 and "total" in format_served(served)
+        assert eng.stats.computed_tokens == sum(t.tokens.size for t in turns[:4])
+
+
+def common_len(a, b):
+    m = min(len(a), len(b))
+    neq = np.flatnonzero(np.asarray(a[:m]) != np.asarray(b[:m]))
+    return int(neq[0]) if neq.size else m

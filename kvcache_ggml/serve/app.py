@@ -38,8 +38,9 @@ from starlette.routing import Route
 
 from . import protocol as P
 from .chat import ChatTemplate
-from .engine import Engine, Event, Job, QueueFull
+from .engine import Engine, QueueFull
 from .formatters import ChatFormatter, CompletionFormatter, Formatter
+from .request import Event, Job
 from .sampling import Sampler
 from .text import TextStream
 
@@ -327,11 +328,10 @@ class _Api:
 
 
 def metrics_text(eng: Engine) -> str:
-    """Prometheus text exposition of the engine's and the prefix cache's counters."""
-    st, pst = eng.stats, eng.prefix.stats
-    kv = eng.ctx.kv
-    used = sum(kv.v_cells[s].get_used() for s in range(kv.get_n_stream()))
-    size = sum(kv.v_cells[s].size() for s in range(kv.get_n_stream()))
+    """Prometheus text exposition of the engine's and the prefix cache's counters, from the snapshot the engine
+    published after its last step (nothing of the engine's is read from this thread)."""
+    snap = eng.snapshot()
+    st = snap.stats
     rows = [
         ("requests_total", "counter", "requests finished, any reason", st.requests),
         ("requests_failed_total", "counter", "requests ended by an error", st.requests_failed),
@@ -342,13 +342,13 @@ def metrics_text(eng: Engine) -> str:
         ("prompt_tokens_computed_total", "counter", "prompt tokens decoded", st.computed_tokens),
         ("generated_tokens_total", "counter", "tokens generated", st.generated_tokens),
         ("steps_total", "counter", "batches decoded", st.steps),
-        ("prefix_hits_device_total", "counter", "admissions reusing a sequence in the cache", pst.hits_device),
-        ("prefix_hits_host_total", "counter", "admissions restoring a host-tier blob", pst.hits_host),
-        ("prefix_evictions_total", "counter", "parked sequences evicted", pst.evictions),
-        ("requests_running", "gauge", "requests admitted", eng.n_running),
+        ("prefix_hits_device_total", "counter", "admissions reusing a cached sequence", snap.prefix_hits_device),
+        ("prefix_hits_host_total", "counter", "admissions restoring a host-tier blob", snap.prefix_hits_host),
+        ("prefix_evictions_total", "counter", "parked sequences evicted", snap.prefix_evictions),
+        ("requests_running", "gauge", "requests admitted", snap.n_running),
         ("requests_waiting", "gauge", "requests in the queue", eng.queue_depth),
-        ("kv_cells_used", "gauge", "cells holding a token", used),
-        ("kv_cells", "gauge", "cells of the cache", size),
+        ("kv_cells_used", "gauge", "cells holding a token", snap.kv_used),
+        ("kv_cells", "gauge", "cells of the cache", snap.kv_size),
     ]
     out = []
     for name, kind, doc, value in rows:

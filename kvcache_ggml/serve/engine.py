@@ -1,62 +1,57 @@
-"""The serving engine: one thread owns the context and its prefix cache; requests join and leave between steps.
+"""The serving engine: one loop owns a context and its prefix cache; requests join and leave between steps.
 
-Each step is **one batch** (:meth:`PrefixCache.advance`): the next token of every request that is generating, then
-chunks of the prompts still being read, first come first served, up to a token budget (``step_tokens``, the
-context's ``n_batch`` by default) -- chunked prefill as llama-server and vLLM do it.  A request's logits come with
-the step that decodes its last prompt token, and every step after that samples its next token.
+Every step is three calls, as vLLM v1 splits it (``schedule`` / execute / ``update_from_output``):
 
-Life of a request (:class:`Job`)
---------------------------------
-1. ``submit`` puts it in the queue (``QueueFull`` past ``max_queue`` waiting requests).
-2. Admission, between steps, while fewer than ``n_parallel`` requests run: :meth:`PrefixCache.pick_seq` gives it a
-   sequence and :meth:`PrefixCache.attach` the longest cached prefix of its prompt (its own parked sequence, a
-   ``seq_cp`` of another's, or a host-tier blob): those tokens are ``cached_tokens`` and are not computed again.
-   A request whose prompt shares a longer prefix with one that another request is still reading waits until that
-   prefix is in the cache (users who arrive together with one system prompt compute it once).
-3. Prefill in chunks, then one token a step, each sampled by the request's :class:`~.sampling.Sampler` and turned
-   into text by its :class:`~.text.TextStream` (UTF-8 safe, stop strings held back).
-4. It ends at an end-of-generation token or a stop string (``finish_reason`` "stop"), at ``max_tokens`` or the
-   sequence's context (``n_ctx_seq``; "length"), when cancelled (its client went away), or at its deadline
-   ("length").  Its sequence is released to the prefix cache, which keeps what it indexes (parked, evictable, the
-   host tier behind it); with ``cache_prompt`` off the sequence is evicted instead, leaving nothing in the cells.
+- :meth:`Engine.plan` decides the step and claims what it needs: requests that were cancelled or passed their
+  deadline end; waiting requests are admitted (:meth:`PrefixCache.pick_seq` gives a sequence,
+  :meth:`PrefixCache.attach` the longest cached prefix of the prompt: those tokens are ``cached_tokens``); the batch
+  is chosen under the token budget (``step_tokens``, the context's ``n_batch`` by default) -- the next token of
+  every decoding request, then chunks of the prompts still being read, in admission order (chunked prefill, as
+  llama-server and vLLM do it); and room in the cache is claimed for it (:meth:`PrefixCache.claim` evicts parked
+  sequences).  When the cache cannot hold the batch, the prompt chunks wait; when it cannot hold the decoding
+  requests alone, the request admitted last is the victim: it ends with ``finish_reason`` "length", or goes back to
+  the queue if it has no output yet (what it read stays cached for its next admission).  The result is a typed
+  :class:`StepPlan`.
+- :meth:`Engine.execute` decodes the plan's batch: one :meth:`PrefixCache.advance`, one ``llama_decode``.
+- :meth:`Engine.update` applies the logits: prompt progress, one sampled token per request that asked for logits
+  (its :class:`Sampler`), text through its :class:`~.text.TextStream` (UTF-8 safe, stop strings held back), and the
+  end of a request: an end-of-generation token or a stop string ("stop"), ``max_tokens`` or the sequence's context
+  ``n_ctx_seq`` ("length").
 
-When the cache fills up
------------------------
-The prefix cache evicts parked sequences first (to the host tier when it has one).  If a step still has no room,
-its prompt chunks wait (the step runs with the generating requests alone); if generating requests alone do not fit,
-the one admitted last ends with ``finish_reason`` "length" and its cells are freed.  A request alone in the cache
-always fits, since prompts must be shorter than ``n_ctx_seq``.  The engine never raises out of its thread: an
-unexpected error ends the requests of that step with an error event and the loop goes on.
+A request (:class:`~.request.Job`) moves through :class:`~.request.RequestState`; every move is checked against
+:data:`~.request.TRANSITIONS`.
 
-Events reach the caller through ``Job.emit`` (called on the engine thread; the HTTP layer hands them to its event
-loop).  The engine knows nothing of HTTP.
+Threads
+-------
+The engine's state belongs to the thread that runs the steps (:meth:`start`'s thread, or the caller of
+:meth:`run_until_idle`).  Other threads talk to it through messages only -- :meth:`submit`, :meth:`cancel` and
+:meth:`call` (a function run between two steps, e.g. to evict or inspect the cache) -- and read the immutable
+:class:`EngineSnapshot` it publishes after taking its messages and after every step (:meth:`snapshot`, what
+``/metrics`` prints).  Events reach the caller through ``Job.emit``, called on the engine's thread.  The engine never
+raises out of its loop: an unexpected error ends the requests of that step with an error event and the loop goes
+on.  The engine knows nothing of HTTP.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
 
 from ..batch import Batch
-from ..prefix import PrefixCache, PrefixParams
+from ..prefix import PrefixCache, PrefixParams, common_prefix
 from ..runtime.context import DecodeError
+from .request import Event, Job, RequestState
 from .results import TokenLogprob, Usage
-from .sampling import Sampler
-from .text import TextStream
 
-__all__ = ["EngineParams", "Engine", "Job", "Event", "QueueFull", "EngineStats"]
+__all__ = ["EngineParams", "Engine", "QueueFull", "EngineStats", "EngineSnapshot", "Chunk", "StepPlan"]
 
 _perf = time.perf_counter
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray, limit: int) -> int:
-    m = min(a.size, b.size, limit)
-    neq = np.flatnonzero(a[:m] != b[:m])
-    return int(neq[0]) if neq.size else m
+_S = RequestState
 
 
 class QueueFull(Exception):
@@ -88,43 +83,6 @@ class EngineParams:
 
 
 @dataclass(slots=True)
-class Event:
-    """What the engine tells a request's caller."""
-
-    kind: str                              # "text" (a piece of output), "done" (the end) or "error"
-    text: str = ""                         # text: the piece; error: the message
-    tokens: list[int] = field(default_factory=list)        # text: the tokens this piece completes
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # text: one per token (when asked for)
-    finish_reason: str | None = None       # done: "stop" or "length"
-    usage: Usage | None = None             # done: the request's token counts
-
-
-@dataclass(slots=True, eq=False)
-class Job:
-    """One request inside the engine (fields below the line are the engine's)."""
-
-    tokens: np.ndarray                     # int32 prompt
-    sampler: Sampler                       # its sampler (seeded per request)
-    text: TextStream                       # its detokenizer with the stop strings
-    emit: Callable[[Event], None]          # called on the engine thread with each event
-    max_tokens: int | None = None          # most tokens to generate (None: until the context is full)
-    cache_prompt: bool = True              # keep its sequence in the prefix cache when done
-    top_logprobs: int = -1                 # -1: no logprobs; k >= 0: the sampled token's and the k best
-    cancelled: bool = False                # set by the caller (any thread) to end it
-    # ---- engine state
-    seq: int = -1                          # its sequence once admitted
-    fed: int = 0                           # prompt tokens in its sequence (reused + decoded)
-    n_cached: int = 0                      # prompt tokens the prefix cache reused
-    generated: list[int] = field(default_factory=list)     # sampled tokens
-    pending: list[int] = field(default_factory=list)       # sampled tokens whose text is not out yet
-    pending_lp: list[TokenLogprob] = field(default_factory=list)  # their logprobs
-    t_submit: float = 0.0                  # perf_counter at submission
-    t_first: float = 0.0                   # perf_counter at the first token (0: none yet)
-    deadline: float = 0.0                  # perf_counter past which it ends
-    admitted: int = 0                      # admission order (the last admitted ends first when the cache is full)
-
-
-@dataclass(slots=True)
 class EngineStats:
     """Counters since the engine started (the metrics endpoint prints them)."""
 
@@ -136,11 +94,47 @@ class EngineStats:
     computed_tokens: int = 0       # of them decoded
     generated_tokens: int = 0      # tokens sampled
     steps: int = 0                 # batches decoded
-    ended_full: int = 0            # requests ended with "length" because the cache was full
+    ended_full: int = 0            # requests ended ("length") or sent back to the queue because the cache was full
+    plan_misses: int = 0           # steps whose decode found no slot although the plan had claimed the room
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSnapshot:
+    """The engine as it stood after its last step (or after taking its messages): safe to read from any thread."""
+
+    stats: EngineStats             # a copy of the counters (never changed after publishing)
+    n_running: int                 # requests admitted (reading their prompt or decoding)
+    n_waiting: int                 # requests in the queue
+    kv_used: int                   # cells holding a token (the base cache's, for iSWA)
+    kv_size: int                   # cells of the cache, all streams
+    prefix_hits_device: int        # admissions that reused a sequence in the cache
+    prefix_hits_host: int          # admissions that restored a host-tier blob
+    prefix_evictions: int          # parked sequences evicted
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One request's part of a step's batch."""
+
+    job: Job                       # the request
+    tokens: np.ndarray             # int32 [n]: a prompt chunk, or the one token it sampled last
+    sample: bool                   # a token is sampled from the logits of its last token
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step does, decided (and its room claimed) by :meth:`Engine.plan`."""
+
+    chunks: list[Chunk] = field(default_factory=list)     # the batch: decoding requests first, then prompt chunks
+    n_tokens: int = 0              # tokens in the batch (<= the token budget)
+    admitted: list[Job] = field(default_factory=list)     # requests admitted by this plan
+    held: list[Job] = field(default_factory=list)         # reading requests whose chunk waits for room
+    victims: list[Job] = field(default_factory=list)      # requests ended or sent back to the queue for room
 
 
 class Engine:
-    """The serving loop over a context: ``submit`` from any thread, ``start``/``stop`` the engine thread."""
+    """The serving loop over a context: ``submit``/``cancel``/``call`` from any thread; the steps run on the engine
+    thread (``start``/``stop``) or on the caller's (``run_until_idle``, for tests and offline replays)."""
 
     def __init__(self, ctx: Any, vocab: Any, params: EngineParams | None = None,
                  prefix: PrefixParams | None = None) -> None:
@@ -152,17 +146,20 @@ class Engine:
         self.params.check(self.prefix.n_seq, n_batch)
         self.budget = self.params.step_tokens or n_batch
         self.n_ctx_seq = int(ctx.n_ctx_seq())
-        self.stats = EngineStats()
-        self._inbox: deque[Job] = deque()      # submitted, not yet seen by the loop (guarded by _cv)
-        self._waiting: deque[Job] = deque()    # seen, waiting for admission (engine thread only)
-        self._running: list[Job] = []          # admitted (engine thread only)
-        self._cv = threading.Condition()
-        self._stop = False
+        self.stats = EngineStats()                     # (engine thread)
+        self._waiting: deque[Job] = deque()            # in the queue, in order (engine thread)
+        self._running: list[Job] = []                  # admitted, in admission order (engine thread)
+        self._n_admitted = 0                           # admissions so far (engine thread)
+        self._cv = threading.Condition()               # guards the four fields below
+        self._inbox: deque[tuple[str, Any]] = deque()  # messages not yet taken: ("submit" | "cancel", job) or
+        #                                                ("call", (fn, future))
+        self._inbox_jobs = 0                           # submissions among them
+        self._stop = False                             # stop() was called
+        self._snapshot = self._make_snapshot()
         self._thread: threading.Thread | None = None
-        self._n_admitted = 0
-        self.ready = threading.Event()         # set once the engine thread has warmed up and takes requests
+        self.ready = threading.Event()                 # set once the engine thread has warmed up
 
-    # ------------------------------------------------------------------ caller side (any thread)
+    # ------------------------------------------------------------------ messages (any thread)
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; ``QueueFull`` when ``max_queue`` requests wait already, ValueError for a prompt the
@@ -178,25 +175,39 @@ class Engine:
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is stopped")
-            free_slots = self.params.n_parallel - len(self._running)
-            if self.queue_depth >= self.params.max_queue + max(free_slots, 0):
+            snap = self._snapshot
+            free_slots = self.params.n_parallel - snap.n_running
+            if snap.n_waiting + self._inbox_jobs >= self.params.max_queue + max(free_slots, 0):
                 raise QueueFull(f"{self.params.max_queue} requests are waiting already")
-            self._inbox.append(job)
+            self._inbox.append(("submit", job))
+            self._inbox_jobs += 1
             self._cv.notify()
 
     def cancel(self, job: Job) -> None:
         """End ``job`` at the next step (its client went away); safe from any thread, idempotent."""
-        job.cancelled = True
-        with self._cv:
-            self._cv.notify()
+        self._post("cancel", job)
+
+    def call(self, fn: Callable[["Engine"], Any]) -> Future:
+        """Run ``fn(engine)`` on the engine's thread between two steps (to inspect or change the cache while no step
+        runs); its result or exception comes through the returned future.  Without an engine thread the next
+        :meth:`run_until_idle` runs it."""
+        fut: Future = Future()
+        self._post("call", (fn, fut))
+        return fut
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's counters and occupancy as published after its last step (immutable)."""
+        return self._snapshot
 
     @property
     def queue_depth(self) -> int:
-        return len(self._waiting) + len(self._inbox)
+        """Requests waiting for admission, the ones not yet taken by the engine included."""
+        with self._cv:
+            return self._snapshot.n_waiting + self._inbox_jobs
 
     @property
     def n_running(self) -> int:
-        return len(self._running)
+        return self._snapshot.n_running
 
     def start(self) -> "Engine":
         if self._thread is None:
@@ -214,11 +225,19 @@ class Engine:
             self._thread = None
 
     def run_until_idle(self) -> None:
-        """Run steps on this thread until nothing waits or runs (tests and offline use; not with start())."""
-        while self._take_inbox() or self._waiting or self._running:
-            self._step()
+        """Run steps on this thread until nothing waits or runs (tests and offline replays; not with start())."""
+        if self._thread is not None:
+            raise RuntimeError("the engine thread runs the steps: run_until_idle() is for an engine not started")
+        self._take_messages()
+        while self._waiting or self._running:
+            self.step()
 
-    # ------------------------------------------------------------------ the loop
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._cv:
+            self._inbox.append((kind, payload))
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ the loop (engine thread)
 
     def warm_up(self) -> None:
         """Decode a batch as large as a graph takes and one token, then clear the cache (on the calling thread: the
@@ -244,96 +263,102 @@ class Engine:
                     self._cv.wait()
                 if self._stop:
                     break
-            self._take_inbox()
-            self._step()
-        for job in [*self._running, *self._waiting, *self._inbox]:
+            self.step()
+        self._take_messages()
+        for job in [*self._running, *self._waiting]:
             self._end_error(job, "the server is shutting down")
-        self._running.clear()
-        self._waiting.clear()
-        self._inbox.clear()
+        self._publish()
 
-    def _take_inbox(self) -> bool:
+    def _take_messages(self) -> None:
+        """Apply the messages that arrived since the last step, then publish the snapshot (in one critical section,
+        so that ``queue_depth`` never misses a request between the inbox and the queue)."""
+        calls = []
         with self._cv:
-            took = bool(self._inbox)
-            self._waiting.extend(self._inbox)
+            for kind, payload in self._inbox:
+                if kind == "submit":
+                    self._waiting.append(payload)
+                elif kind == "cancel":
+                    payload.cancelled = True
+                else:
+                    calls.append(payload)
             self._inbox.clear()
-        return took
+            self._inbox_jobs = 0
+            self._snapshot = self._make_snapshot()
+        for fn, fut in calls:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self))
+                except BaseException as err:  # noqa: BLE001 -- the caller gets it
+                    fut.set_exception(err)
+        if calls:
+            self._publish()
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One step: :meth:`plan`, :meth:`execute`, :meth:`update`; then the snapshot is published."""
+        plan = self.plan()
+        if plan.chunks:
+            try:
+                rows = self.execute(plan)
+            except DecodeError as err:
+                rows = None
+                if err.code != 1:
+                    self._fail(plan, err)
+                else:  # the plan's room was not enough (a cache that reuses cells, like a sliding window's)
+                    self.stats.plan_misses += 1
+                    self._make_room(plan.chunks, [])
+            except Exception as err:  # noqa: BLE001 -- the loop must go on; the step's requests get the error
+                rows = None
+                self._fail(plan, err)
+            if rows is not None:
+                self.update(plan, rows)
+        self._publish()
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self) -> StepPlan:
+        """Take the messages that arrived, end cancelled and expired requests, admit waiting ones, choose the batch
+        under the token budget and claim its room in the cache (evicting parked sequences, then holding prompt
+        chunks back, then ending or sending back the request admitted last)."""
+        plan = StepPlan()
+        self._take_messages()
+        self._expire()
+        self._admit(plan)
+        while self._running:
+            chunks, held = self._batch()
+            if self._claim(chunks):
+                break
+            dec = [c for c in chunks if c.job.state is _S.DECODING]
+            if dec and len(dec) < len(chunks) and self._claim(dec):
+                chunks, held = dec, held + [c.job for c in chunks if c.job.state is _S.PREFILL]
+                break
+            plan.victims.append(self._make_room(chunks, dec))
+        else:
+            chunks, held = [], []
+        plan.chunks, plan.held = chunks, held
+        plan.n_tokens = sum(c.tokens.size for c in chunks)
+        return plan
+
+    def _expire(self) -> None:
         now = _perf()
         for job in [j for j in self._waiting if j.cancelled or now > j.deadline]:
             self._waiting.remove(job)
             if job.cancelled:
                 self.stats.requests_cancelled += 1
-                self._emit(job, Event("done", finish_reason="cancelled", usage=self._usage(job)))
+                self._end(job, "cancelled")
             else:
                 self._end_error(job, f"timed out after {self.params.timeout:g} s in the queue")
         for job in [j for j in self._running if j.cancelled or now > j.deadline]:
             if job.cancelled:
                 self.stats.requests_cancelled += 1
-            self._finish(job, "cancelled" if job.cancelled else "length")
-        self._admit()
-        if not self._running:
-            return
-        gen = [j for j in self._running if j.fed == j.tokens.size]
-        fill = sorted((j for j in self._running if j.fed < j.tokens.size), key=lambda j: j.admitted)
-        parts: list[tuple[Job, np.ndarray, bool]] = [(j, np.array(j.generated[-1:], np.int32), True) for j in gen]
-        left = self.budget - len(parts)
-        for j in fill:
-            if left <= 0:
-                break
-            chunk = j.tokens[j.fed:j.fed + left]
-            parts.append((j, chunk, j.fed + chunk.size == j.tokens.size))
-            left -= chunk.size
-        try:
-            ran = self._decode(parts)
-        except Exception as err:  # noqa: BLE001 -- the loop must go on; the step's requests get the error
-            for j, _, _ in parts:
-                self._end_error(j, f"decode failed: {err}")
-            return
-        if not ran:
-            return
-        self.stats.steps += 1
-        for (j, toks, want), row in ran:
-            if j.fed < j.tokens.size:
-                j.fed += toks.size
-                self.stats.computed_tokens += toks.size
-            if want:
-                self._sampled(j, row)
+            self._end(job, "cancelled" if job.cancelled else "length")
 
-    def _decode(self, parts: list[tuple[Job, np.ndarray, bool]]) -> list[tuple[tuple, np.ndarray | None]]:
-        """Decode the step: the (part, logits) pairs that ran.  On a full cache the prompt chunks wait (the
-        generating requests run alone); when those alone do not fit, the request admitted last ends ("length")
-        or, still reading its prompt, goes back to the head of the queue; then nothing ran."""
-        try:
-            return list(zip(parts, self.prefix.advance([(j.seq, t, w) for j, t, w in parts])))
-        except DecodeError as err:
-            if err.code != 1:
-                raise
-        gen = [p for p in parts if p[0].fed == p[0].tokens.size]
-        if gen and len(gen) < len(parts):
-            try:
-                return list(zip(gen, self.prefix.advance([(j.seq, t, w) for j, t, w in gen])))
-            except DecodeError as err:
-                if err.code != 1:
-                    raise
-        victim = max((p[0] for p in parts), key=lambda j: j.admitted)
-        self.stats.ended_full += 1
-        if victim.generated:
-            self._finish(victim, "length", evict=True)
-        else:  # back to the queue; the prefix cache keeps what it read, for its next admission
-            self._release(victim, evict=False)
-            victim.fed = victim.n_cached = 0
-            self._waiting.appendleft(victim)
-        return []
-
-    # ------------------------------------------------------------------ admission and the end of a request
-
-    def _admit(self) -> None:
+    def _admit(self, plan: StepPlan) -> None:
         deferred: list[Job] = []
         while self._waiting and len(self._running) < self.params.n_parallel:
             job = self._waiting[0]
             if self._prefix_coming(job):
+                if job.state is _S.WAITING:
+                    job.move(_S.WAITING_PREFIX)
                 deferred.append(self._waiting.popleft())
                 continue
             try:
@@ -348,25 +373,88 @@ class Engine:
                 continue
             self._n_admitted += 1
             job.seq, job.fed, job.n_cached, job.admitted = seq, adm.n_reused, adm.n_reused, self._n_admitted
+            job.move(_S.PREFILL)
             self.stats.prompt_tokens += job.tokens.size
             self.stats.cached_tokens += adm.n_reused
             self._running.append(job)
+            plan.admitted.append(job)
         self._waiting.extendleft(reversed(deferred))  # first in the queue again, in their order
+        for job in self._waiting:
+            if job.state is _S.WAITING_PREFIX and not self._prefix_coming(job):
+                job.move(_S.WAITING)
 
     def _prefix_coming(self, job: Job) -> bool:
         """Whether a request still reading its prompt will soon hold a longer prefix of ``job``'s prompt than the
-        cache holds now: ``job`` then waits for it and reuses it, rather than computing the same tokens beside it
-        (users arriving together with one system prompt)."""
-        readers = [r for r in self._running if r.fed < r.tokens.size]
+        cache holds now."""
+        readers = [r for r in self._running if r.state is _S.PREFILL]
         if not readers:
             return False
         limit = job.tokens.size - 1
         cached = self.prefix.match(job.tokens, limit).n_tokens
         for r in readers:
-            shared = _common_prefix(r.tokens, job.tokens, limit)
+            shared = common_prefix(r.tokens, job.tokens, limit)
             if shared > cached and r.fed < shared:
                 return True
         return False
+
+    def _batch(self) -> tuple[list[Chunk], list[Job]]:
+        """The step's chunks under the token budget: every decoding request's last token, then prompt chunks in
+        admission order; and the reading requests left out."""
+        chunks = [Chunk(j, np.array(j.generated[-1:], np.int32), True) for j in self._running
+                  if j.state is _S.DECODING]
+        left, held = self.budget - len(chunks), []
+        for j in self._running:
+            if j.state is not _S.PREFILL:
+                continue
+            if left <= 0:
+                held.append(j)
+                continue
+            piece = j.tokens[j.fed:j.fed + left]
+            chunks.append(Chunk(j, piece, j.fed + piece.size == j.tokens.size))
+            left -= piece.size
+        return chunks, held
+
+    def _claim(self, chunks: list[Chunk]) -> bool:
+        """Make room in the cache for ``chunks`` (parked sequences evicted); whether it is there."""
+        need: dict[int, int] = {}
+        for c in chunks:
+            s = self.prefix.stream_of(c.job.seq)
+            need[s] = need.get(s, 0) + c.tokens.size
+        return self.prefix.claim(need)
+
+    def _make_room(self, chunks: list[Chunk], decoding: list[Chunk]) -> Job:
+        """The cache cannot hold even the decoding requests: the request admitted last ends ("length") or, with no
+        output yet, goes back to the head of the queue (the prefix cache keeps what it read)."""
+        victim = max((c.job for c in chunks), key=lambda j: j.admitted)
+        self.stats.ended_full += 1
+        if victim.generated:
+            self._end(victim, "length", evict=True)
+        else:
+            self._release(victim, evict=False)
+            victim.fed = victim.n_cached = 0
+            victim.move(_S.WAITING)
+            self._waiting.appendleft(victim)
+        return victim
+
+    # ------------------------------------------------------------------ execute and update
+
+    def execute(self, plan: StepPlan) -> list[np.ndarray | None]:
+        """Decode the plan's batch in one call: per chunk, the float32 [n_vocab] logits of its last token (a row of
+        the decode's own array) when it samples, else None."""
+        return self.prefix.advance([(c.job.seq, c.tokens, c.sample) for c in plan.chunks])
+
+    def update(self, plan: StepPlan, rows: list[np.ndarray | None]) -> None:
+        """Apply a decoded step: prompt progress, then one sampled token per chunk that asked for logits."""
+        self.stats.steps += 1
+        for c, row in zip(plan.chunks, rows):
+            job = c.job
+            if job.state is _S.PREFILL:
+                job.fed += c.tokens.size
+                self.stats.computed_tokens += c.tokens.size
+                if not c.sample:
+                    continue
+                job.move(_S.DECODING)
+            self._sampled(job, row)
 
     def _sampled(self, job: Job, logits: np.ndarray) -> None:
         tok = job.sampler.sample(logits)
@@ -374,7 +462,7 @@ class Engine:
             job.t_first = _perf()
         self.stats.generated_tokens += 1
         if self.vocab.is_eog(tok) and not job.sampler.params.ignore_eos:
-            self._finish(job, "stop")  # (the end token is not output: no text, no logprob)
+            self._end(job, "stop")  # (the end token is not output: no text, no logprob)
             return
         if job.top_logprobs >= 0:
             lp, top = job.sampler.logprobs(logits, tok, job.top_logprobs)
@@ -385,26 +473,43 @@ class Engine:
         piece = job.text.push(tok)
         if job.text.stopped:
             self._flush(job, piece)
-            self._finish(job, "stop")
+            self._end(job, "stop")
             return
         if piece:
             self._flush(job, piece)
         full = job.max_tokens is not None and len(job.generated) >= job.max_tokens
         if full or job.tokens.size + len(job.generated) >= self.n_ctx_seq:
-            self._finish(job, "length")
+            self._end(job, "length")
+
+    # ------------------------------------------------------------------ the end of a request
 
     def _flush(self, job: Job, piece: str) -> None:
         self._emit(job, Event("text", piece, job.pending, job.pending_lp))
         job.pending, job.pending_lp = [], []
 
-    def _finish(self, job: Job, reason: str, evict: bool = False) -> None:
+    def _end(self, job: Job, reason: str, evict: bool = False) -> None:
+        """``job`` ends normally ("stop", "length" or "cancelled"): its text flushed, its sequence released."""
         if reason != "cancelled":
             rest = job.text.finish()
             if rest or job.pending:
                 self._flush(job, rest)
         self._release(job, evict or not job.cache_prompt)
+        job.move(_S.FINISHED)
         self.stats.requests += 1
         self._emit(job, Event("done", finish_reason=reason, usage=self._usage(job)))
+
+    def _end_error(self, job: Job, message: str) -> None:
+        self._release(job, evict=True)
+        if job in self._waiting:
+            self._waiting.remove(job)
+        job.move(_S.FINISHED)
+        self.stats.requests += 1
+        self.stats.requests_failed += 1
+        self._emit(job, Event("error", message))
+
+    def _fail(self, plan: StepPlan, err: Exception) -> None:
+        for c in plan.chunks:
+            self._end_error(c.job, f"decode failed: {err}")
 
     def _release(self, job: Job, evict: bool) -> None:
         if job in self._running:
@@ -419,12 +524,6 @@ class Engine:
         except Exception:  # noqa: BLE001 -- a lost sequence must not stop the loop; drop its cells
             self.ctx.memory_seq_rm(seq, -1, -1)
 
-    def _end_error(self, job: Job, message: str) -> None:
-        self._release(job, evict=True)
-        self.stats.requests += 1
-        self.stats.requests_failed += 1
-        self._emit(job, Event("error", message))
-
     @staticmethod
     def _usage(job: Job) -> Usage:
         return Usage(int(job.tokens.size), len(job.generated), job.n_cached)
@@ -435,3 +534,15 @@ class Engine:
             job.emit(ev)
         except Exception:  # noqa: BLE001 -- a caller's broken channel must not stop the loop
             job.cancelled = True
+
+    # ------------------------------------------------------------------ the snapshot
+
+    def _make_snapshot(self) -> EngineSnapshot:
+        kv, pst = self.ctx.kv, self.prefix.stats
+        return EngineSnapshot(replace(self.stats), len(self._running), len(self._waiting), kv.get_used(),
+                              kv.get_size() * kv.get_n_stream(), pst.hits_device, pst.hits_host, pst.evictions)
+
+    def _publish(self) -> None:
+        snap = self._make_snapshot()
+        with self._cv:
+            self._snapshot = snap
