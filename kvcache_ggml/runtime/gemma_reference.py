@@ -112,23 +112,23 @@ class GemmaReferenceCache:
         for il in range(hp.n_layer):
             b = f"blk.{il}."
             n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
-            h = ref._rms(x, w[b + "attn_norm.weight"])
+            h = ref.rms(x, w[b + "attn_norm.weight"])
             q = (h @ w[b + "attn_q.weight"].T).reshape(n, n_head, d)
             k = (h @ w[b + "attn_k.weight"].T).reshape(n, n_head_kv, d)
             if gp.qk_norm:
-                q = ref._rms(q, w[b + "attn_q_norm.weight"])
-                k = ref._rms(k, w[b + "attn_k_norm.weight"])
+                q = ref.rms(q, w[b + "attn_q_norm.weight"])
+                k = ref.rms(k, w[b + "attn_k_norm.weight"])
             v = (h @ w[b + "attn_v.weight"].T).reshape(n, n_head_kv, d)
             self.k[il] = np.concatenate([self.k[il], self._rope(k, p, il)])
             self.v[il] = np.concatenate([self.v[il], v])
             att = self._attend(self._rope(q, p, il), il, window if hp.is_swa(il) else causal)
-            x = x + ref._rms(att @ w[b + "attn_output.weight"].T, w[b + "post_attention_norm.weight"])
-            h = ref._rms(x, w[b + "ffn_norm.weight"])
+            x = x + ref.rms(att @ w[b + "attn_output.weight"].T, w[b + "post_attention_norm.weight"])
+            h = ref.rms(x, w[b + "ffn_norm.weight"])
             ffn = (gelu_ggml(h @ w[b + "ffn_gate.weight"].T) * (h @ w[b + "ffn_up.weight"].T)) @ w[
                 b + "ffn_down.weight"].T
-            x = x + ref._rms(ffn, w[b + "post_ffw_norm.weight"])
+            x = x + ref.rms(ffn, w[b + "post_ffw_norm.weight"])
         self.pos = all_pos
-        logits = ref._rms(x, w["output_norm.weight"]) @ ref.output.T
+        logits = ref.rms(x, w["output_norm.weight"]) @ ref.output.T
         if gp.final_softcap:
             logits = gp.final_softcap * np.tanh(logits / gp.final_softcap)
         return logits

@@ -65,7 +65,7 @@ class Reference:
         self.n_vocab = self.output.shape[0]
         self.eps = float(hp.f_norm_rms_eps)
 
-    def _rms(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    def rms(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * weight
 
     def forward(self, tokens: Sequence[int] | np.ndarray, pos: Sequence[int] | np.ndarray | None = None, *,
@@ -163,7 +163,7 @@ class ReferenceCache:
         for il in range(hp.n_layer):
             b = f"blk.{il}."
             n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
-            h = ref._rms(x, w[b + "attn_norm.weight"])
+            h = ref.rms(x, w[b + "attn_norm.weight"])
             q = self._rope((h @ w[b + "attn_q.weight"].T).reshape(n, n_head, d), p)
             k = self._rope((h @ w[b + "attn_k.weight"].T).reshape(n, n_head_kv, d), p)
             v = (h @ w[b + "attn_v.weight"].T).reshape(n, n_head_kv, d)
@@ -176,12 +176,12 @@ class ReferenceCache:
             s /= s.sum(axis=-1, keepdims=True)
             att = np.einsum("hqk,khd->qhd", s, self.v[il][:, kv_of]).reshape(n, n_head * d)
             x = x + att @ w[b + "attn_output.weight"].T
-            h = ref._rms(x, w[b + "ffn_norm.weight"])
+            h = ref.rms(x, w[b + "ffn_norm.weight"])
             g = h @ w[b + "ffn_gate.weight"].T
             u = h @ w[b + "ffn_up.weight"].T
             x = x + (g / (1.0 + np.exp(-g)) * u) @ w[b + "ffn_down.weight"].T
         self.pos = all_pos
-        return ref._rms(x, w["output_norm.weight"]) @ ref.output.T
+        return ref.rms(x, w["output_norm.weight"]) @ ref.output.T
 
 
 def new_tokens(n_vocab: int, cached: np.ndarray, tokens: Sequence[int] | np.ndarray,

@@ -114,10 +114,10 @@ class Vocab:
                 add_space_prefix=is_spm and bool(get("add_space_prefix", True)))
         if v.pre in ("llama-bpe", "llama3", "llama-v3") and "tokenizer.ggml.add_bos_token" not in kv:
             v.add_bos = True  # llama.cpp's default for these pre-tokenizers
-        v._build()
+        v.build_tokenizer()
         return v
 
-    def _build(self) -> None:
+    def build_tokenizer(self) -> None:
         try:
             from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
         except ImportError:
