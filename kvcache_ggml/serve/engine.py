@@ -272,6 +272,8 @@ class Engine:
     def _take_messages(self) -> None:
         """Apply the messages that arrived since the last step, then publish the snapshot (in one critical section,
         so that ``queue_depth`` never misses a request between the inbox and the queue)."""
+        if not self._inbox:  # (a message posted just now is taken at the next step)
+            return
         calls = []
         with self._cv:
             for kind, payload in self._inbox:
