@@ -122,7 +122,7 @@ def extra_bufts(dev: int) -> list[int]:
 
 
 def weight_op_supported(dev: int, buft: int, wtype: int, ne: tuple[int, ...], op: str) -> bool:
-    """Whether ``dev`` can run ``op`` ("MUL_MAT", "GET_ROWS" or "MUL") on a weight of type wtype and shape ne stored
+    """Whether ``dev`` can run ``op`` ("MUL_MAT", "GET_ROWS", "MUL" or "ADD") on a weight of type wtype and shape ne stored
     in a buffer of type ``buft`` (llama.cpp's weight_buft_supported: a dummy op over 512 tokens and a size-0
     buffer of that type, asked with ggml_backend_dev_supports_op)."""
     from ._owners import Context
@@ -137,8 +137,10 @@ def weight_op_supported(dev: int, buft: int, wtype: int, ne: tuple[int, ...], op
             t = _F["ggml_get_rows"](ctx.ptr, w, new_tensor(ctx.ptr, 26, (512,), "ids"))
         elif op == "MUL":
             t = _F["ggml_mul"](ctx.ptr, new_tensor(ctx.ptr, 0, ne4[:len(ne)], "a"), w)
+        elif op == "ADD":
+            t = _F["ggml_add"](ctx.ptr, new_tensor(ctx.ptr, 0, ne4[:len(ne)], "a"), w)
         else:
-            raise ValueError(f"weight_op_supported: op {op!r} is not one of MUL_MAT, GET_ROWS, MUL")
+            raise ValueError(f"weight_op_supported: op {op!r} is not one of MUL_MAT, GET_ROWS, MUL, ADD")
         buf = _F["ggml_backend_buft_alloc_buffer"](buft, 0)
         if not buf:
             return False

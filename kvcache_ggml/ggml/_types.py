@@ -175,10 +175,10 @@ def quantize(t: str | int, x: np.ndarray, imatrix: np.ndarray | None = None) -> 
 
 def cpu_can_use(t: str | int, op: str) -> bool:
     """Whether ggml's CPU backend has a kernel for weight type t in op "MUL_MAT" (a vec_dot in its type traits),
-    "GET_ROWS" (a to_float) or "MUL" (F32 only).  ``ggml_backend_dev_supports_op`` of the CPU says yes to every
-    type, and a weight type without a kernel crashes the compute: Model checks this first."""
+    "GET_ROWS" (a to_float), "MUL" or "ADD" (F32 only).  ``ggml_backend_dev_supports_op`` of the CPU says yes to
+    every type, and a weight type without a kernel crashes the compute: Model checks this first."""
     tt = int(parse_type(t))
-    if op == "MUL":
+    if op in ("MUL", "ADD"):
         return tt == int(GGMLType.F32)
     if op == "MUL_MAT":
         return bool(ctypes.cast(_F["ggml_get_type_traits_cpu"](tt).contents.vec_dot, ctypes.c_void_p).value)
@@ -186,4 +186,4 @@ def cpu_can_use(t: str | int, op: str) -> bool:
         if tt in (int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16), int(GGMLType.I32)):
             return True
         return bool(ctypes.cast(_F["ggml_get_type_traits"](tt).contents.to_float, ctypes.c_void_p).value)
-    raise ValueError(f"cpu_can_use: op {op!r} is not one of MUL_MAT, GET_ROWS, MUL")
+    raise ValueError(f"cpu_can_use: op {op!r} is not one of MUL_MAT, GET_ROWS, MUL, ADD")

@@ -150,17 +150,10 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
         inp_sa = inp_l
         cur = nm(_rms_norm(c, nm, inp_l, lw.attn_norm, hp.f_norm_rms_eps, il), "attn_norm", il)  # [n_embd, n_tok]
 
-        q = nm(G.ggml_mul_mat(c, lw.wq, cur), "Qcur", il)                       # [n_embd_q, n_tokens]
-        k = nm(G.ggml_mul_mat(c, lw.wk, cur), "Kcur", il)                       # [n_embd_k_gqa, n_tokens]
-        v = nm(G.ggml_mul_mat(c, lw.wv, cur), "Vcur", il)                       # [n_embd_v_gqa, n_tokens]
-        q = G.ggml_reshape_3d(c, q, d, n_head, n_tokens)                         # [d, n_head, n_tokens]
-        k = G.ggml_reshape_3d(c, k, d, n_head_kv, n_tokens)                      # [d, n_head_kv, n_tokens]
-        v = nm(G.ggml_reshape_3d(c, v, d, n_head_kv, n_tokens), "Vcur", il)   # [d, n_head_kv, n_tokens]
         rope = (G.addr(model.get_rope_factors(cparams, il)), hp.n_rot, int(hp.rope_type), cparams.n_ctx_orig_yarn,
                 model.get_rope_freq_base(cparams, il), model.get_rope_freq_scale(cparams, il),
                 cparams.yarn_ext_factor, cparams.yarn_attn_factor, cparams.yarn_beta_fast, cparams.yarn_beta_slow)
-        q = nm(G.ggml_rope_ext(c, q, pos, *rope), "Qcur", il)                  # [d, n_head, n_tokens]
-        k = nm(G.ggml_rope_ext(c, k, pos, *rope), "Kcur", il)                  # [d, n_head_kv, n_tokens]
+        q, k, v = _qkv(c, nm, lw, cur, pos, rope, (d, n_head, n_head_kv), hp.f_norm_rms_eps, il)
 
         # as build_attn: q, v, k first (keeps the graph's order), then the stores into the cache
         graph.expand(q)
@@ -190,6 +183,33 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
     G.ggml_set_output(logits)
     graph.expand(logits)
     return DecoderGraph(key, graph, tokens, embd, pos, out_ids, k_idxs, v_idxs, kq_mask, logits)
+
+
+def _qkv(c: int, nm: Any, lw: Any, cur: Any, pos: Any, rope: tuple, heads: tuple[int, int, int], eps: float,
+         il: int) -> tuple[Any, Any, Any]:
+    """Q, K and V of one layer from cur [n_embd, n_tokens], RoPE'd: the projections, their biases when the layer
+    has them (Qwen2; llm_build_llama's optional ones), the RMS norm of every Q and K head when the layer has one
+    (Qwen3: before RoPE), as llm_build_llama / _qwen2 / _qwen3 name their nodes.  ``heads``: (d, n_head,
+    n_head_kv); ``rope``: ggml_rope_ext's arguments after the positions.  Returns q [d, n_head, n_tokens] and k, v
+    [d, n_head_kv, n_tokens]."""
+    d, n_head, n_head_kv = heads
+    n_tokens = G.ne(cur)[1]
+    out = []
+    for w, b, name in ((lw.wq, lw.bq, "Qcur"), (lw.wk, lw.bk, "Kcur"), (lw.wv, lw.bv, "Vcur")):
+        x = nm(G.ggml_mul_mat(c, w, cur), name, il)                            # [d*heads, n_tokens]
+        if b is not None:
+            x = nm(G.ggml_add(c, x, b), name, il)
+        out.append(x)
+    q = G.ggml_reshape_3d(c, out[0], d, n_head, n_tokens)                     # [d, n_head, n_tokens]
+    k = G.ggml_reshape_3d(c, out[1], d, n_head_kv, n_tokens)                  # [d, n_head_kv, n_tokens]
+    v = nm(G.ggml_reshape_3d(c, out[2], d, n_head_kv, n_tokens), "Vcur", il)  # [d, n_head_kv, n_tokens]
+    if lw.attn_q_norm is not None:
+        q = nm(_rms_norm(c, nm, q, lw.attn_q_norm, eps, il), "Qcur_normed", il)
+    q = nm(G.ggml_rope_ext(c, q, pos, *rope), "Qcur", il)                      # [d, n_head, n_tokens]
+    if lw.attn_k_norm is not None:
+        k = nm(_rms_norm(c, nm, k, lw.attn_k_norm, eps, il), "Kcur_normed", il)
+    k = nm(G.ggml_rope_ext(c, k, pos, *rope), "Kcur", il)                      # [d, n_head_kv, n_tokens]
+    return q, k, v
 
 
 def _attention(c: int, nm: Any, q: Any, k: Any, v: Any, mask: Any, kq_scale: float, flash_attn: bool,

@@ -24,7 +24,7 @@ from .._gguf import GGUFFile, read_kv
 from ..cache.kvcache import KVCache
 from ..cache.types import KVCacheParams
 from ..cparams import layer_rope_freq
-from ..hparams import HParams, RopeType
+from ..hparams import HParams, RopeType, SwaType
 from . import graph as _llama
 from .arch import ArchRuntime, runtime_for
 
@@ -34,7 +34,10 @@ _SUPPORTED_ARCHS = ("llama",)
 _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                   "ffn_down")
 # the op that uses each weight (llama.cpp's LLM_TENSOR_INFOS); None: no op check (plain buffer type)
-_OP_OF = {"token_embd": "GET_ROWS", "attn_norm": "MUL", "ffn_norm": "MUL", "output_norm": "MUL", "rope_freqs": None}
+_OP_OF = {"token_embd": "GET_ROWS", "attn_norm": "MUL", "ffn_norm": "MUL", "output_norm": "MUL", "rope_freqs": None,
+          "attn_q_norm": "MUL", "attn_k_norm": "MUL"}
+# the optional per-layer tensors of llama.cpp's llama loader that the graph uses (the Q/K/V biases)
+_QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 
 
 def cpu_device() -> int:
@@ -62,6 +65,11 @@ class LayerWeights:
     ffn_gate: Any     # [n_embd, n_ff]
     ffn_up: Any       # [n_embd, n_ff]
     ffn_down: Any     # [n_ff, n_embd]
+    bq: Any = None            # F32 [n_embd_head_k*n_head] bias of Q (Qwen2; llama's optional one) or None
+    bk: Any = None            # F32 [n_embd_k_gqa] bias of K or None
+    bv: Any = None            # F32 [n_embd_v_gqa] bias of V or None
+    attn_q_norm: Any = None   # F32 [n_embd_head_k] RMS norm weight of every Q head (Qwen3) or None
+    attn_k_norm: Any = None   # F32 [n_embd_head_k] RMS norm weight of every K head (Qwen3) or None
 
 
 @dataclass(slots=True)
@@ -79,6 +87,8 @@ class Model:
 
     ARCHS: tuple[str, ...] = _SUPPORTED_ARCHS   # general.architecture values this class loads
     ROPE_TYPE = RopeType.NORM                  # the RoPE those architectures use
+    ROPE_SCALINGS: tuple[str, ...] = ("none", "linear")  # {arch}.rope.scaling.type values the graph computes
+    SLIDING_WINDOW = False                     # llama.cpp reads {arch}.attention.sliding_window for the arch
 
     def __new__(cls, path: str | PathLike, **kwargs: Any) -> "Model":
         """``Model(path)`` opens every supported architecture, as llama_model_load_from_file does: it makes the
@@ -122,6 +132,7 @@ class Model:
         self.rope_freqs: Any = None              # F32 [n_rot/2] frequency factors, or None
 
         reader = GGUFFile(self.path)
+        self._check_rope_and_window(reader.kv)
         self.gguf_kv: dict[str, Any] = reader.kv                 # every key/value of the file (the tokenizer's)
         self.name = reader.kv.get("general.name", self.path.stem)
         self.vocab: list[str] = list(reader.kv.get("tokenizer.ggml.tokens", []))
@@ -141,6 +152,24 @@ class Model:
     def extra_layer_tensors(self) -> tuple[str, ...]:
         """Per-layer tensors beyond llama's that a subclass's architecture loads (``blk.{il}.NAME.weight``)."""
         return ()
+
+    def optional_layer_tensors(self) -> tuple[str, ...]:
+        """Per-layer tensors loaded when the file has them (``blk.{il}.NAME``, suffix included): llama.cpp's
+        llama loader takes Q/K/V biases (Qwen2's are always there)."""
+        return _QKV_BIASES
+
+    def _check_rope_and_window(self, kv: dict[str, Any]) -> None:
+        """As llama.cpp's loader: a RoPE scaling type the graph does not compute is a ValueError ("none" keeps the
+        training frequencies unscaled); an architecture whose loader ignores the sliding window has none."""
+        hp = self.hparams
+        scaling = str(kv.get(f"{hp.arch}.rope.scaling.type", "linear"))
+        if scaling not in self.ROPE_SCALINGS:
+            raise ValueError(f"{self.path}: rope scaling type {scaling!r} is not supported for arch {hp.arch} "
+                             f"(supported: {', '.join(self.ROPE_SCALINGS)})")
+        if scaling == "none":
+            hp.rope_freq_scale_train = 1.0
+        if not self.SLIDING_WINDOW and hp.n_swa:
+            hp.n_swa, hp.swa_type, hp.swa_layers = 0, SwaType.NONE, (False,) * hp.n_layer
 
     # ------------------------------------------------------------------ the KVCache's model interface
 
@@ -205,7 +234,8 @@ class Model:
         cands = [(self._cpu_dev, b) for b in self._cpu_bufts]
         if G.ggml_backend_dev_type(dev) != G.DeviceType.CPU:
             cands.insert(0, (dev, G.ggml_backend_dev_buffer_type(dev)))
-        op = _OP_OF.get(name.split(".")[-2], "MUL_MAT")
+        # a bias is always added (llama.cpp's create_tensor: suffix "bias" -> GGML_OP_ADD)
+        op = "ADD" if name.endswith(".bias") else _OP_OF.get(name.split(".")[-2], "MUL_MAT")
         if op is None:
             return cands[0][1] if len(cands) > len(self._cpu_bufts) else cands[-1][1]
         for d, buft in cands:
@@ -227,7 +257,11 @@ class Model:
         if missing:
             raise ValueError(f"{self.path}: missing tensors {', '.join(missing[:6])}"
                              f"{' ...' if len(missing) > 6 else ''}")
-        names = need + [n for n in ("output.weight", "rope_freqs.weight") if n in by_name]
+        optional = [f"blk.{il}.{n}" for il in range(hp.n_layer) for n in self.optional_layer_tensors()]
+        names = need + [n for n in ["output.weight", "rope_freqs.weight"] + optional if n in by_name]
+        unused = [n for n in by_name if n.startswith("blk.") and n.endswith(".bias") and n not in names]
+        if unused:
+            raise ValueError(f"{self.path}: tensor {unused[0]} is not supported for arch {hp.arch}")
 
         plan: dict[int, _Placement] = {}
         for name in names:
@@ -260,8 +294,10 @@ class Model:
         self.output = t.get("output.weight", self.tok_embd)
         self.rope_freqs = t.get("rope_freqs.weight")
         for il in range(hp.n_layer):
-            w = [t[f"blk.{il}.{n}.weight"] for n in _LAYER_TENSORS]
-            self.layers.append(LayerWeights(*w))
+            b = f"blk.{il}."
+            w = [t[f"{b}{n}.weight"] for n in _LAYER_TENSORS]
+            self.layers.append(LayerWeights(*w, *(t.get(b + n) for n in _QKV_BIASES + (
+                "attn_q_norm.weight", "attn_k_norm.weight"))))
         self._check_shapes()
 
     def _check_shapes(self) -> None:
@@ -281,6 +317,11 @@ class Model:
                          b + "attn_output.weight": (hp.n_embd_head_v * hp.n_head(il), n_embd),
                          b + "ffn_gate.weight": (n_embd, n_ff), b + "ffn_up.weight": (n_embd, n_ff),
                          b + "ffn_down.weight": (n_ff, n_embd)})
+            for name, n in (("attn_q.bias", hp.n_embd_head_k * hp.n_head(il)), ("attn_k.bias", hp.n_embd_k_gqa(il)),
+                            ("attn_v.bias", hp.n_embd_v_gqa(il)), ("attn_q_norm.weight", hp.n_embd_head_k),
+                            ("attn_k_norm.weight", hp.n_embd_head_k)):
+                if b + name in self.tensors:
+                    want[b + name] = (n,)
         if self.rope_freqs is not None:
             want["rope_freqs.weight"] = (hp.n_rot // 2,)
         for name, ne in want.items():

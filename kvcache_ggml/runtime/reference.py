@@ -14,14 +14,15 @@ from typing import Sequence
 
 import numpy as np
 
-from ..hparams import HParams
+from ..hparams import HParams, RopeType
 
 __all__ = ["Reference", "ReferenceCache", "rope_norm"]
 
 
 def rope_norm(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
-              factors: np.ndarray | None = None) -> np.ndarray:
-    """RoPE, llama's NORM mode: dims (2i, 2i+1) of each head rotated by pos*scale*base^(-2i/n_rot)/factor_i.
+              factors: np.ndarray | None = None, neox: bool = False) -> np.ndarray:
+    """RoPE, llama's NORM mode: dims (2i, 2i+1) of each head rotated by pos*scale*base^(-2i/n_rot)/factor_i
+    (``neox``: NEOX mode, dims (i, i + n_rot/2), as Qwen's).
 
     x: [n_tokens, n_head, head_dim] (ggml ne [head_dim, n_head, n_tokens]); pos: [n_tokens].
     """
@@ -32,9 +33,11 @@ def rope_norm(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq
         inv = inv / np.asarray(factors, np.float64)
     theta = freq_scale * pos.astype(np.float64)[:, None] * inv[None, :]  # [n_tokens, n_rot/2]
     cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-    x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
-    out[..., 0:n_rot:2] = x0 * cos - x1 * sin
-    out[..., 1:n_rot:2] = x0 * sin + x1 * cos
+    first, second = (slice(0, n_rot // 2), slice(n_rot // 2, n_rot)) if neox else (slice(0, n_rot, 2),
+                                                                                    slice(1, n_rot, 2))
+    x0, x1 = x[..., first], x[..., second]
+    out[..., first] = x0 * cos - x1 * sin
+    out[..., second] = x0 * sin + x1 * cos
     return out
 
 
@@ -67,6 +70,20 @@ class Reference:
 
     def rms(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * weight
+
+    def project(self, h: np.ndarray, name: str, il: int) -> np.ndarray:
+        """Q, K or V (``name``: ``blk.{il}.attn_q`` ...) of h [n, n_embd] as [n, heads, d]: the matrix, the bias
+        when the file has one (Qwen2), the RMS norm of every head when the file has ``attn_q_norm`` /
+        ``attn_k_norm`` (Qwen3)."""
+        hp, w = self.hparams, self.w
+        x = h @ w[name + ".weight"].T
+        if name + ".bias" in w:
+            x = x + w[name + ".bias"]
+        heads = hp.n_head(il) if name.endswith("_q") else hp.n_head_kv(il)
+        x = x.reshape(h.shape[0], heads, -1)
+        if name + "_norm.weight" in w:
+            x = self.rms(x, w[name + "_norm.weight"])
+        return x
 
     def forward(self, tokens: Sequence[int] | np.ndarray, pos: Sequence[int] | np.ndarray | None = None, *,
                 freq_base: float | None = None, freq_scale: float = 1.0) -> np.ndarray:
@@ -105,7 +122,9 @@ class ReferenceCache:
         return self.pos.shape[0]
 
     def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        return rope_norm(x, pos, self.ref.hparams.n_rot, self.freq_base, self.freq_scale, self.ref.rope_freqs)
+        hp = self.ref.hparams
+        return rope_norm(x, pos, hp.n_rot, self.freq_base, self.freq_scale, self.ref.rope_freqs,
+                         hp.rope_type == RopeType.NEOX)
 
     def seq_rm(self, p0: int = -1, p1: int = -1) -> None:
         """Forget the cached tokens at positions [p0, p1) (negative: open end)."""
@@ -164,9 +183,9 @@ class ReferenceCache:
             b = f"blk.{il}."
             n_head, n_head_kv = hp.n_head(il), hp.n_head_kv(il)
             h = ref.rms(x, w[b + "attn_norm.weight"])
-            q = self._rope((h @ w[b + "attn_q.weight"].T).reshape(n, n_head, d), p)
-            k = self._rope((h @ w[b + "attn_k.weight"].T).reshape(n, n_head_kv, d), p)
-            v = (h @ w[b + "attn_v.weight"].T).reshape(n, n_head_kv, d)
+            q, k, v = (ref.project(h, b + name, il) for name in ("attn_q", "attn_k", "attn_v"))
+            q = self._rope(q, p)                                   # [n, n_head, d]
+            k = self._rope(k, p)                                   # [n, n_head_kv, d]
             self.k[il] = np.concatenate([self.k[il], k])
             self.v[il] = np.concatenate([self.v[il], v])
             kv_of = np.arange(n_head) // (n_head // n_head_kv)   # query head -> its key/value head
