@@ -20,6 +20,7 @@ from ..runtime.context import DecodeError
 from .host import HostEntry, HostParams, HostTier
 from .index import SeqEntry, SeqIndex
 from .policy import Candidate, EvictionPolicy, LRUPolicy, Retention, effective_priority
+from .reuse import ReusePlan, plan_chunks
 from .stats import PrefixStats
 from .tree import RadixTree, common_prefix
 
@@ -67,6 +68,7 @@ class Admission:
     n_decoded: int           # of them left to decode, with advance() (at least 1: the last token's logits)
     source: str              # "own" (the sequence itself), "device" (seq_cp), "host" (state_load) or "none"
     source_seq: int          # device: the sequence copied from; else -1
+    n_shifted: int = 0       # of n_reused, the tokens moved into place by K-shift (chunk reuse; 0 without)
 
 
 
@@ -136,15 +138,22 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ requests
 
-    def attach(self, tokens: Sequence[int], seq_id: int, *, retention: Retention | None = None) -> Admission:
+    def attach(self, tokens: Sequence[int], seq_id: int, *, retention: Retention | None = None,
+               n_cache_reuse: int = 0) -> Admission:
         """Make ``seq_id`` hold the longest cached prefix of ``tokens`` (its own, ``seq_cp`` from another sequence,
         or a host blob; at most all but the last token) and mark it active, decoding nothing: ``n_decoded`` of the
         admission is the tokens left to decode with :meth:`advance` (in chunks the caller chooses; the last one's
-        logits are the answer).  The sequence is active until :meth:`release`."""
+        logits are the answer).  The sequence is active until :meth:`release`.
+
+        ``n_cache_reuse`` N > 0 (llama-server's ``--cache-reuse``): after the common prefix of the sequence's own
+        tokens, runs of at least N of them that reappear in the prompt are moved into place by K-shift
+        (:mod:`.reuse`) and count as reused; the sequence is then indexed as holding the prompt's first
+        ``n_reused`` tokens (offered to later requests, as llama-server's slot offers them)."""
         toks = self.index.check_tokens(tokens)
         if toks.size == 0:
             raise ValueError("attach needs at least one token")
         self.index.check_seq(seq_id)
+        self._check_reuse(n_cache_reuse)
         own = self.seqs.get(seq_id)
         if own is not None and own.active:
             raise RuntimeError(f"sequence {seq_id} is serving a request; release() it first")
@@ -156,7 +165,11 @@ class PrefixCache:
         limit = toks.size - 1
         m = self.match(toks, limit)
         own_n = common_prefix(own.tokens, toks, limit) if own is not None and self.params.reuse else 0
-        if own is not None and own_n >= max(m.n_tokens, self.params.min_reuse):
+        plan, shifted = self._chunk_plan(own, toks, n_cache_reuse), 0
+        if plan is not None and min(plan.n_reused, limit) >= max(m.n_tokens, self.params.min_reuse, own_n + 1):
+            n, source, src = self._shift_chunks(own, toks, plan), "own", seq_id
+            shifted, e = plan.n_shifted - (plan.n_reused - n), own
+        elif own is not None and own_n >= max(m.n_tokens, self.params.min_reuse):
             n, source, src = own_n, "own", seq_id
             self.index.truncate(own, own_n)
             e = own
@@ -174,10 +187,11 @@ class PrefixCache:
         st.requests += 1
         st.tokens_requested += toks.size
         st.tokens_reused += n
+        st.tokens_shifted += shifted
         st.hits_device += source in ("own", "device")
         st.hits_host += source == "host"
         st.misses += source == "none"
-        return Admission(seq_id, toks.size, n, toks.size - n, source, src)
+        return Admission(seq_id, toks.size, n, toks.size - n, source, src, shifted)
 
     def advance(self, parts: Sequence[tuple[int, Sequence[int], bool]]) -> list[np.ndarray | None]:
         """Decode several active sequences' next tokens in one batch: ``parts`` are (seq_id, tokens, want_logits)
@@ -240,11 +254,21 @@ class PrefixCache:
         self._retire(victim, keep=True)
         return victim.seq_id
 
-    def pick_seq(self, tokens: Sequence[int]) -> int:
+    def pick_seq(self, tokens: Sequence[int], n_cache_reuse: int = 0) -> int:
         """The sequence a server should attach ``tokens`` to: a parked sequence whose whole content the request
-        extends (reused in place), else a free (or freed) sequence -- never the best holder of its prefix."""
+        extends (reused in place), else a free (or freed) sequence -- never the best holder of its prefix.  With
+        ``n_cache_reuse`` > 0, first the parked sequence whose chunks (:meth:`attach`) give the request more
+        tokens than the longest cached prefix does (its content is rewritten in place, as llama-server's slot)."""
         toks = self.index.check_tokens(tokens)
+        self._check_reuse(n_cache_reuse)
         m = self.match(toks, toks.size - 1)
+        best, most = -1, m.n_tokens
+        for e in self.seqs.values():
+            plan = None if e.active else self._chunk_plan(e, toks, n_cache_reuse)
+            if plan is not None and min(plan.n_reused, toks.size - 1) > most:
+                best, most = e.seq_id, min(plan.n_reused, toks.size - 1)
+        if best >= 0:
+            return best
         holder = m.entry if m.tier == "device" and not m.entry.active else None
         if holder is not None and m.n_tokens == holder.tokens.size:
             return m.seq_id
@@ -358,6 +382,37 @@ class PrefixCache:
                 self.ctx.memory_seq_rm(s, n, -1)
         if n:
             self.index.set_tokens(e, m.entry.tokens[:n].copy())
+        e.clean = self.ctx.memory_seq_pos_max(s) + 1 == n
+        return n
+
+    def _check_reuse(self, n_cache_reuse: int) -> None:
+        """ValueError for a chunk size below 0, or above 0 on a memory that cannot shift positions."""
+        if n_cache_reuse < 0:
+            raise ValueError(f"n_cache_reuse must be >= 0 (0: off), got {n_cache_reuse}")
+        if n_cache_reuse and not self.ctx.memory_can_shift():
+            raise ValueError(f"n_cache_reuse {n_cache_reuse}: this memory cannot shift positions (an iSWA cache "
+                             "whose sliding-window part is smaller than the whole cache: use swa_full), so no "
+                             "chunk can be reused")
+
+    def _chunk_plan(self, own: SeqEntry | None, toks: np.ndarray, n_cache_reuse: int) -> ReusePlan | None:
+        """The chunks of the parked sequence of ``own`` that ``toks`` can take by K-shift; None without any."""
+        if own is None or not n_cache_reuse or not self.params.reuse or own.tokens.size == 0:
+            return None
+        plan = plan_chunks(own.tokens, toks, common_prefix(own.tokens, toks, toks.size), n_cache_reuse)
+        return plan if plan.moves else None
+
+    def _shift_chunks(self, e: SeqEntry, toks: np.ndarray, plan: ReusePlan) -> int:
+        """Apply ``plan`` to the sequence of ``e`` (llama-server's seq_rm of the gap, seq_add of the run, through
+        the index; then the tail cut and the K-shift applied at once, so that no indexed cell has a shift
+        pending); the tokens it now holds, indexed: the prompt's first ones, never its last."""
+        s = e.seq_id
+        for mv in plan.moves:
+            self.index.seq_rm(s, mv.dst, mv.src)
+            self.index.seq_add(s, mv.src, mv.src + mv.n, mv.delta)
+        n = min(plan.n_reused, toks.size - 1)
+        self.index.truncate(e, n)
+        self.ctx.memory_update()
+        self.index.set_tokens(e, toks[:n].copy())
         e.clean = self.ctx.memory_seq_pos_max(s) + 1 == n
         return n
 

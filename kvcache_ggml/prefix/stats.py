@@ -16,6 +16,7 @@ class PrefixStats:
     misses: int = 0            # attaches that found no reusable prefix
     tokens_requested: int = 0  # prompt tokens asked for by attach()
     tokens_reused: int = 0     # prompt tokens taken from the cache instead of decoded
+    tokens_shifted: int = 0    # of them, tokens moved into place by K-shift (chunk reuse, attach's n_cache_reuse)
     tokens_decoded: int = 0    # tokens decoded through the prefix cache (prompts and generation steps)
     evictions: int = 0         # device sequences evicted to make room
     stale: int = 0             # entries found changed behind the prefix cache's back and dropped

@@ -464,6 +464,11 @@ class Context:
     def memory_can_shift(self) -> bool:
         return self._kv().get_can_shift()
 
+    def memory_update(self) -> bool:
+        """Apply queued stream copies and a pending K-shift now rather than at the next decode (what a decode
+        starts with, ``llama_context::memory_update`` without the defragmentation); whether anything ran."""
+        return self._memory_update(False)
+
     def context_shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
         """llama.cpp's context-shift recipe: drop positions [n_keep, n_keep + n_discard) of ``seq_id`` and move
         the later ones back by n_discard (the K-shift runs at the next decode)."""
