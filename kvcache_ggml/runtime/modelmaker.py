@@ -10,7 +10,8 @@ all-ones importance matrix for the types that need one); the embeddings and the 
 Nothing is downloaded: every weight comes from a seeded numpy generator, or, for a trained llama, from the arrays
 given (``weights=`` / ``--weights NPZ``: GGUF tensor names -> numpy [rows, cols], each checked against the spec;
 ``scripts/train_tiny_llama.py`` writes such a file).  ``--arch gemma2|gemma3`` writes a Gemma model instead
-(:mod:`~kvcache_ggml.runtime.gemma_maker`, the same storage and vocabulary options).
+(:mod:`~kvcache_ggml.runtime.gemma_maker`, the same storage and vocabulary options); ``--preset NAME`` a scaled-down
+Qwen2.5, Qwen3, Llama 3.2 or Mistral (:mod:`~kvcache_ggml.runtime.family_maker`).
 """
 from __future__ import annotations
 
@@ -168,7 +169,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--arch", choices=("llama", "gemma2", "gemma3"), default="llama",
                     help="architecture (default %(default)s); gemma: head size embd/heads, every other layer slides")
     ap.add_argument("--n-swa", type=int, default=16, help="gemma: sliding window (default %(default)s)")
+    ap.add_argument("--preset", help="a scaled-down published model of runtime.family_maker.PRESETS (qwen2.5-0.5b, "
+                    "qwen3-0.6b, llama3.2-1b, mistral-7b); of the options only --seed, --type, --embd-type, "
+                    "--vocab-from apply")
     a = ap.parse_args(argv)
+    if a.preset:
+        return _main_preset(ap, a)
     weights = None
     if a.weights is not None:
         if a.arch != "llama":
@@ -190,6 +196,18 @@ def main(argv: list[str]) -> int:
                 tied=a.tied or a.arch == "gemma2", embd_type=spec.embd_type, vocab_from=spec.vocab_from))
         else:
             out = make_model(a.out, spec, weights=weights)
+    except ValueError as e:
+        ap.error(str(e))
+    print(out)
+    return 0
+
+
+def _main_preset(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """make-model --preset NAME: family_maker's preset with the storage, seed and vocabulary options applied."""
+    from .family_maker import make_family_model
+    try:
+        out = make_family_model(a.out, a.preset, seed=a.seed, type=a.type, embd_type=a.embd_type or "",
+                                vocab_from=a.vocab_from)
     except ValueError as e:
         ap.error(str(e))
     print(out)

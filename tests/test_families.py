@@ -1,0 +1,209 @@
+"""Qwen2.5, Qwen3, Llama 3.2 (rope_freqs) and Mistral on the runtime against the float64 numpy forward pass.
+
+Each model is :mod:`kvcache_ggml.runtime.family_maker`'s scaled-down preset of the published model (its tensor
+names, head ratios, RoPE base and mode, biases, Q/K norms, rope factors, tied head), F32 weights and cache, two
+layers, a 64-piece vocabulary.  The logits of a prompt, decode steps, a fork and a context shift agree with
+:class:`~kvcache_ggml.runtime.reference.Reference` to TOL; each family's own part is checked to matter (the
+reference without it is far off).  llama.cpp comparisons: tests/oracle/test_oracle_families.py.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcache_ggml.batch import Batch
+from kvcache_ggml.hparams import RopeType, SwaType
+from kvcache_ggml.runtime import Context
+from kvcache_ggml.runtime.arch import runtime_for
+from kvcache_ggml.runtime.family_maker import PRESETS, FamilySpec, llama3_rope_factors, make_family_model
+from kvcache_ggml.runtime.model import Model
+from kvcache_ggml.runtime.qwen import QwenModel
+from kvcache_ggml.runtime.reference import Reference
+
+TOL = 2e-5
+VOCAB = 64
+NAMES = list(PRESETS)
+
+
+def rel_err(got, want) -> float:
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+def tokens(n, seed=0):
+    return np.random.default_rng(seed).integers(3, VOCAB, n).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("families")
+    return {name: make_family_model(d / f"{name}.gguf", name, seed=4) for name in NAMES}
+
+
+def ctx_of(model, **kw):
+    p = dict(n_ctx=256, n_ubatch=32, n_seq_max=2, kv_unified=True, type_k="f32", type_v="f32", n_threads=1,
+             n_threads_batch=1, flash_attn=False)
+    p.update(kw)
+    return Context(model, **p)
+
+
+# hyper-parameters the presets keep from the published models: (class, rope type, head size, n_head * head size
+# vs n_embd, rope factors, Q/K/V biases, Q/K norms)
+EXPECT = {
+    "qwen2.5-0.5b": (QwenModel, RopeType.NEOX, 16, 224, False, True, False),
+    "qwen3-0.6b": (QwenModel, RopeType.NEOX, 32, 256, False, False, True),
+    "llama3.2-1b": (Model, RopeType.NORM, 16, 128, True, False, False),
+    "mistral-7b": (Model, RopeType.NORM, 16, 128, False, False, False),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_model_opens_each_family_through_the_registry(paths, name):
+    cls, rope, d, n_q, factors, bias, qk_norm = EXPECT[name]
+    with Model(paths[name]) as m:
+        hp = m.hparams
+        assert type(m) is cls and runtime_for(hp.arch).model_class is cls and runtime_for(hp.arch).fused
+        assert (hp.rope_type, hp.n_embd_head_k, hp.n_rot, hp.n_head(0) * hp.n_embd_head_k) == (rope, d, d, n_q)
+        assert hp.swa_type == SwaType.NONE and hp.rope_freq_base_train == PRESETS[name].rope_freq_base
+        assert (m.rope_freqs is not None, m.layers[1].bq is not None, m.layers[1].attn_k_norm is not None) == (
+            factors, bias, qk_norm)
+        assert (m.output is m.tok_embd) == PRESETS[name].tied
+        with ctx_of(m) as ctx:
+            assert ctx.fused is not None      # llama's graph: the fused decode step applies
+
+
+def _without_feature(ref: Reference, name: str) -> None:
+    """Take the family's own part out of the reference's weights (in place)."""
+    if name == "llama3.2-1b":
+        ref.rope_freqs = None
+    for key in [k for k in ref.w if k.endswith((".bias", "attn_q_norm.weight", "attn_k_norm.weight"))]:
+        del ref.w[key]
+    if name == "mistral-7b":   # nothing of its own: NEOX instead of NORM must be far off
+        ref.hparams.rope_type = RopeType.NEOX
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prompt_and_steps_match_the_float64_reference(paths, name):
+    toks = tokens(40, 1)
+    with Model(paths[name]) as m, ctx_of(m) as ctx:
+        rows = [ctx.decode(Batch(token=toks[:30], pos=np.arange(30, dtype=np.int32), logits=np.ones(30, np.int8)))]
+        for i in range(30, 40):
+            rows.append(ctx.decode(Batch(token=toks[i:i + 1], pos=np.array([i], np.int32))))
+    got = np.concatenate(rows)
+    ref = Reference(paths[name])
+    assert rel_err(got, ref.forward(toks)) < TOL
+    _without_feature(ref, name)
+    assert rel_err(got, ref.forward(toks)) > 100 * TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fork_and_context_shift_match_the_reference(paths, name):
+    """A prompt forked into a second sequence, one step each in one batch; then a context shift of sequence 1 (its
+    K rotated with the family's RoPE, rope factors included) and steps on the shifted cache."""
+    toks = tokens(48, 2)
+    ref = Reference(paths[name])
+    with Model(paths[name]) as m, ctx_of(m, flash_attn=True, type_k="f32", type_v="f32") as ctx:
+        ctx.decode(Batch(token=toks[:24]))
+        rc0 = ref.cache()
+        rc0.decode(toks[:24])
+        ctx.memory_seq_cp(0, 1)
+        rc1 = rc0.copy()
+        got = ctx.decode(Batch(token=toks[24:26], pos=np.array([24, 24], np.int32),
+                               seq_id=np.array([0, 1], np.int32), logits=np.ones(2, np.int8)))
+        assert rel_err(got[0], rc0.decode(toks[24:25])[0]) < TOL
+        assert rel_err(got[1], rc1.decode(toks[25:26])[0]) < TOL
+        ctx.context_shift(1, 4, 10)
+        rc1.seq_rm(4, 14)
+        rc1.seq_add(14, 25, -10)
+        got = ctx.decode(Batch(token=toks[26:32], seq_id=np.full(6, 1, np.int32), logits=np.ones(6, np.int8)))
+        assert ctx.memory_seq_pos_max(1) == 20
+        assert rel_err(got, rc1.decode(toks[26:32])) < TOL
+
+
+def test_llama3_rope_factors_as_the_converter_computes_them():
+    """dim 16, base 500000, factor 32, low 1, high 4, original context 8192: wavelengths under 2048 keep factor 1,
+    over 8192 take 32, between them the smooth mix."""
+    f = llama3_rope_factors(16, 500000.0, 32.0, 1.0, 4.0, 8192)
+    wavelen = [2 * math.pi * 500000.0 ** (i / 16) for i in range(0, 16, 2)]
+    want = []
+    for w in wavelen:
+        smooth = (8192 / w - 1.0) / (4.0 - 1.0)
+        want.append(1.0 if w < 2048 else 32.0 if w > 8192 else 1 / ((1 - smooth) / 32.0 + smooth))
+    assert f.dtype == np.float32 and f.shape == (8,)
+    assert f[0] == 1.0 and f[-1] == 32.0 and 1.0 < f[4] < 32.0      # every branch is taken
+    assert np.allclose(f, want, rtol=1e-5)
+
+
+def _rewrite(src: Path, dst: Path, keys: dict, extra_tensors: dict | None = None) -> Path:
+    """A copy of GGUF src with keys set (name -> value) and tensors added (name -> float32 array)."""
+    import gguf
+    r = gguf.GGUFReader(str(src))
+    arch = str(r.fields["general.architecture"].contents())
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in keys:
+            continue
+        vt = field.types[0]
+        w.add_key_value(key, field.contents(), vt, sub_type=field.types[1] if len(field.types) > 1 else None)
+    for key, value in keys.items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_uint32(key, value)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=tuple(reversed([int(x) for x in t.shape])),
+                     raw_dtype=t.tensor_type)
+    for name, a in (extra_tensors or {}).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_the_loader_checks_rope_scaling_window_and_biases(paths, tmp_path):
+    """As llama.cpp's loader: a rope scaling type the graph does not compute is refused; llama and Qwen ignore a
+    sliding-window key (no SWA layers); a bias the architecture's loader does not take is refused; qwen2's Q is
+    square."""
+    mistral = paths["mistral-7b"]
+    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported for arch llama"):
+        Model(_rewrite(mistral, tmp_path / "yarn.gguf", {"llama.rope.scaling.type": "yarn"}))
+    with Model(_rewrite(mistral, tmp_path / "swa.gguf", {"llama.attention.sliding_window": 8})) as m:
+        assert m.hparams.n_swa == 0 and not m.hparams.is_swa_any()
+        with ctx_of(m) as ctx:
+            toks = tokens(20, 3)
+            got = ctx.decode(Batch(token=toks, logits=np.ones(20, np.int8)))
+        assert rel_err(got, Reference(mistral).forward(toks)) < TOL
+    bias = {"blk.0.attn_q.bias": np.zeros(256, np.float32)}
+    with pytest.raises(ValueError, match="attn_q.bias is not supported for arch qwen3"):
+        Model(_rewrite(paths["qwen3-0.6b"], tmp_path / "q3b.gguf", {}, bias))
+    with pytest.raises(ValueError, match="attn_output.bias is not supported for arch llama"):
+        Model(_rewrite(mistral, tmp_path / "ob.gguf", {}, {"blk.1.attn_output.bias": np.zeros(128, np.float32)}))
+    with pytest.raises(ValueError, match="heads \\* head_dim == embd"):
+        make_family_model(tmp_path / "bad.gguf", FamilySpec(arch="qwen2", embd=64, heads=4, head_dim=32))
+
+
+def test_generate_runs_a_qwen3_model_with_a_byte_level_vocabulary(tmp_path, capsys):
+    """make-model --preset with --vocab-from (GPT-2's byte-level BPE) and Q8_0 embeddings; generate's greedy
+    text is the float64 reference's."""
+    from kvcache_ggml.generate import main as generate_main
+    from kvcache_ggml.runtime.modelmaker import main as make_model_main
+    from kvcache_ggml.runtime.tokenizer import Vocab
+    gpt2 = Path(__file__).parent / "data" / "vocab" / "ggml-vocab-gpt-2.gguf"
+    out = tmp_path / "q3.gguf"
+    assert make_model_main([str(out), "--preset", "qwen3-0.6b", "--vocab-from", str(gpt2), "--embd-type", "q8_0",
+                            "--seed", "2"]) == 0
+    vocab = Vocab.from_gguf(out)
+    capsys.readouterr()
+    prompt = "Hello world, this is"
+    assert generate_main(["--model", str(out), "--prompt", prompt, "--n-predict", "5", "--threads", "1",
+                          "--n-ctx", "256"]) == 0
+    text = capsys.readouterr().out
+    ids = vocab.tokenize(prompt)
+    ref = Reference(out)
+    for _ in range(5):
+        ids.append(int(np.argmax(ref.forward(ids)[-1])))
+    assert text == prompt + vocab.detokenize(ids[-5:]) + "\n"
