@@ -165,7 +165,9 @@ def build_decoder(ctx: G.Context, model: Any, cparams: Any, mctx: Any, ubatch: A
         v_all = mctx.get_v(ctx, il)        # [d, n_head_kv, n_kv, ns] or transposed [n_kv, n_head_kv, d, ns]
         cur = _attention(c, nm, q, k_all, v_all, mask, kq_scale, flash_attn, fa_cast_f32_kv, il)  # [d*n_head, n_tok]
         graph.expand(nm(cur, "kqv_out", il))
-        cur = nm(G.ggml_mul_mat(c, lw.wo, cur), "attn_out", il)               # [n_embd, n_tokens]
+        cur = G.ggml_mul_mat(c, lw.wo, cur)                                    # [n_embd, n_tokens]
+        if model.NAMES_ATTN_OUT:
+            nm(cur, "attn_out", il)
 
         if il == hp.n_layer - 1:
             cur = G.ggml_get_rows(c, cur, out_ids)                              # [n_embd, n_outputs]

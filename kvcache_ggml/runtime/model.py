@@ -89,6 +89,7 @@ class Model:
     ROPE_TYPE = RopeType.NORM                  # the RoPE those architectures use
     ROPE_SCALINGS: tuple[str, ...] = ("none", "linear")  # {arch}.rope.scaling.type values the graph computes
     SLIDING_WINDOW = False                     # llama.cpp reads {arch}.attention.sliding_window for the arch
+    NAMES_ATTN_OUT = True                      # the graph names the attention's output "attn_out" (as llama's)
 
     def __new__(cls, path: str | PathLike, **kwargs: Any) -> "Model":
         """``Model(path)`` opens every supported architecture, as llama_model_load_from_file does: it makes the

@@ -26,6 +26,7 @@ class QwenModel(Model):
 
     ARCHS = QWEN_ARCHS
     ROPE_TYPE = RopeType.NEOX
+    NAMES_ATTN_OUT = False   # llm_build_qwen2 / _qwen3 leave the attention's output unnamed
 
     def __init__(self, path: str | PathLike, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
