@@ -15,9 +15,10 @@ where the head size holds whole blocks: not the tiny model's 16; a quantized V c
 llama.cpp).  Per model and configuration it reports the largest logit difference relative to the largest CPU logit,
 and how often the backend's greedy token equals the CPU's.  A token may differ only where the CPU's two best logits
 are closer than twice that row's largest difference (a near tie: "ambiguous").  Models (:data:`MODELS`): llama with
-F32, Q8_0, Q4_0 and Q4_K weights (:func:`~kvcache_ggml.runtime.modelmaker.make_model`) and a Gemma 3 with sliding-
-window layers (an iSWA cache; :func:`~kvcache_ggml.runtime.gemma_maker.make_gemma_model`), loaded through their
-architecture's model class.
+F32, Q8_0, Q4_0 and Q4_K weights (:func:`~kvcache_ggml.runtime.modelmaker.make_model`), a Gemma 3 with sliding-
+window layers (an iSWA cache; :func:`~kvcache_ggml.runtime.gemma_maker.make_gemma_model`) and one Qwen2.5, Qwen3,
+Llama 3.2 (rope factors) and Mistral each (:mod:`~kvcache_ggml.runtime.family_maker`'s presets with heads of 64),
+loaded through their architecture's model class.
 
 ``python -m kvcache_ggml step-times --backends cpu,cuda``: a Q8_0 llama decoding one token per sequence for 1 and
 8 sequences; per step our host time (batch splits, cache bookkeeping, memory updates, input setting, graph build)
@@ -35,7 +36,7 @@ import logging
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -47,6 +48,7 @@ from ..batch import Batch
 from ..hparams import HParams
 from ..runtime.arch import load_model
 from ..runtime.context import Context
+from ..runtime.family_maker import PRESETS, FamilySpec, make_family_model
 from ..runtime.gemma_maker import GemmaSpec, make_gemma_model
 from ..runtime.model import Model
 from ..runtime.modelmaker import ModelSpec, make_model
@@ -61,13 +63,21 @@ __all__ = ["RunConfig", "CONFIGS", "MODELS", "QUICK_MODELS", "TIMING_MODEL", "Pa
 # and a Gemma 3 whose even layers slide over a window of 16 (an iSWA cache; the context shift needs swa_full, the
 # runtime's default)
 _LLAMA_Q = dict(layers=4, embd=512, heads=8, heads_kv=2, ff=1024, vocab=512)
-MODELS: dict[str, ModelSpec | GemmaSpec] = {
+MODELS: dict[str, ModelSpec | GemmaSpec | FamilySpec] = {
     "tiny f32": ModelSpec(layers=4, embd=128, heads=8, heads_kv=4, ff=256, vocab=256, seed=0),
     "llama q8_0": ModelSpec(**_LLAMA_Q, seed=1, type="q8_0"),
     "llama q4_0": ModelSpec(**_LLAMA_Q, seed=2, type="q4_0"),
     "llama q4_K": ModelSpec(**_LLAMA_Q, seed=4, type="q4_K"),
     "gemma3 f32": GemmaSpec(arch="gemma3", layers=4, embd=256, heads=4, heads_kv=2, head_dim=64, ff=512, vocab=256,
                             seed=5, n_swa=16, swa_period=2, final_softcap=0.0),
+    # the family presets (runtime.family_maker) with heads of 64: Q/K/V biases, Q/K norms, llama3 rope factors
+    "qwen2.5 q8_0": replace(PRESETS["qwen2.5-0.5b"], layers=4, embd=896, head_dim=64, ff=1216, vocab=256, seed=6,
+                            type="q8_0"),
+    "qwen3 f32": replace(PRESETS["qwen3-0.6b"], layers=4, embd=256, head_dim=64, ff=768, vocab=256, seed=7),
+    "llama3.2 f16": replace(PRESETS["llama3.2-1b"], layers=4, embd=512, head_dim=64, ff=1024, vocab=256, seed=8,
+                            type="f16"),
+    "mistral q8_0": replace(PRESETS["mistral-7b"], layers=4, embd=512, head_dim=64, ff=1024, vocab=256, seed=9,
+                            type="q8_0"),
 }
 QUICK_MODELS = ("tiny f32", "llama q8_0")  # the default suite's RPC run: the CPU's own code, every logit equal
 # the model of the timing table: small enough to make in seconds, attention shapes of a real llama (head 64, GQA 4)
@@ -138,6 +148,8 @@ def write_model(folder: Path, key: str) -> Path:
     """The GGUF of MODELS[key], written into ``folder``."""
     spec = MODELS[key]
     path = folder / f"{key.replace(' ', '-')}.gguf"
+    if isinstance(spec, FamilySpec):
+        return make_family_model(path, spec)
     return make_gemma_model(path, spec) if isinstance(spec, GemmaSpec) else make_model(path, spec)
 
 
