@@ -325,9 +325,18 @@ class PrefixCache:
         """``ctx.memory_seq_cp``; the destination indexed as holding what it now holds of the source."""
         self.index.seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
-    def context_shift(self, seq_id: int, n_keep: int, n_discard: int) -> None:
-        """``ctx.context_shift`` with the index cut to match (every sequence sharing a moved cell)."""
+    def context_shift(self, seq_id: int, n_keep: int, n_discard: int, *, reindex: bool = False) -> None:
+        """``ctx.context_shift`` with the index cut to match (every sequence sharing a moved cell).  ``reindex``
+        (a server's context shift): a clean entry then holds its tokens less the discarded ones, at their new
+        positions, with the K-shift applied at once -- as llama-server's slot keeps them, so the request's next
+        tokens and a later request extend them (their K/V are a shifted cache's, not a fresh decode's)."""
+        e = self.seqs.get(seq_id)
+        old = e.tokens if reindex and e is not None and e.clean else None
         self.index.context_shift(seq_id, n_keep, n_discard)
+        if old is not None and seq_id in self.seqs:
+            self.ctx.memory_update()
+            self.index.set_tokens(e, np.concatenate([old[:n_keep], old[n_keep + n_discard:]]))
+            e.clean = self.ctx.memory_seq_pos_max(seq_id) + 1 == e.tokens.size
 
     def clear(self, data: bool = True) -> None:
         """``ctx.memory_clear``: every parked entry goes, active ones are emptied."""

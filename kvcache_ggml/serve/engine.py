@@ -46,6 +46,7 @@ from ..batch import Batch
 from ..prefix import PrefixCache, PrefixParams, common_prefix
 from ..runtime.context import DecodeError
 from .request import Event, Job, RequestState
+from .shift import check_shift_fields, shift_job
 from .results import TokenLogprob, Usage
 
 __all__ = ["EngineParams", "Engine", "QueueFull", "EngineStats", "EngineSnapshot", "Chunk", "StepPlan"]
@@ -69,6 +70,10 @@ class EngineParams:
     warmup: bool = True            # the engine thread first decodes a graph-sized batch and one token, then clears
     #                                the cache (llama.cpp's warm-up): buffers allocated before the first request, and
     #                                on the thread that computes (ggml's OpenMP team is per calling thread)
+    cache_reuse: int = 0           # chunk reuse by K-shift: least tokens a reused chunk (0: off; llama-server's
+    #                                --cache-reuse); a request's n_cache_reuse overrides it
+    context_shift: bool = False    # a request reaching n_ctx_seq drops n_discard tokens after n_keep and goes on
+    #                                (serve/shift.py); False: it ends ("length")
 
     def check(self, n_seq: int, n_batch: int) -> None:
         if not 1 <= self.n_parallel <= n_seq:
@@ -80,6 +85,8 @@ class EngineParams:
                              "one token of every generating request")
         if self.max_queue < 0 or self.timeout <= 0:
             raise ValueError(f"max_queue must be >= 0 and timeout > 0, got {self.max_queue}, {self.timeout}")
+        if self.cache_reuse < 0:
+            raise ValueError(f"cache_reuse must be >= 0 (0: off), got {self.cache_reuse}")
 
 
 @dataclass(slots=True)
@@ -96,6 +103,7 @@ class EngineStats:
     steps: int = 0                 # batches decoded
     ended_full: int = 0            # requests ended ("length") or sent back to the queue because the cache was full
     plan_misses: int = 0           # steps whose decode found no slot although the plan had claimed the room
+    context_shifts: int = 0        # context shifts of decoding requests (``context_shift``)
 
 
 @dataclass(slots=True, frozen=True)
@@ -146,6 +154,10 @@ class Engine:
         self.params.check(self.prefix.n_seq, n_batch)
         self.budget = self.params.step_tokens or n_batch
         self.n_ctx_seq = int(ctx.n_ctx_seq())
+        self.can_shift = bool(ctx.memory_can_shift())  # cache reuse and context shifts need it
+        if (self.params.cache_reuse or self.params.context_shift) and not self.can_shift:
+            raise ValueError("--cache-reuse and --context-shift need a cache that can shift positions; this model's "
+                             "cannot (a sliding-window cache smaller than the context: use swa_full)")
         self.stats = EngineStats()                     # (engine thread)
         self._waiting: deque[Job] = deque()            # in the queue, in order (engine thread)
         self._running: list[Job] = []                  # admitted, in admission order (engine thread)
@@ -167,6 +179,7 @@ class Engine:
         n = int(job.tokens.size)
         if n == 0:
             raise ValueError("the prompt is empty")
+        check_shift_fields(job, self.can_shift)
         if n >= self.n_ctx_seq:
             raise ValueError(f"the prompt has {n} tokens; the context holds {self.n_ctx_seq} per sequence "
                              "(prompt and output together)")
@@ -364,12 +377,13 @@ class Engine:
                 deferred.append(self._waiting.popleft())
                 continue
             try:
-                seq = self.prefix.pick_seq(job.tokens)
+                n_reuse = self.params.cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
+                seq = self.prefix.pick_seq(job.tokens, n_reuse)
             except ValueError:
                 break  # every sequence serves a request
             self._waiting.popleft()
             try:
-                adm = self.prefix.attach(job.tokens, seq)
+                adm = self.prefix.attach(job.tokens, seq, n_cache_reuse=n_reuse)
             except Exception as err:  # noqa: BLE001
                 self._end_error(job, f"admission failed: {err}")
                 continue
@@ -480,7 +494,11 @@ class Engine:
         if piece:
             self._flush(job, piece)
         full = job.max_tokens is not None and len(job.generated) >= job.max_tokens
-        if full or job.tokens.size + len(job.generated) >= self.n_ctx_seq:
+        if not full and job.tokens.size + len(job.generated) - job.n_discarded >= self.n_ctx_seq:
+            shifted = self.params.context_shift and shift_job(self.prefix, job, self.n_ctx_seq, self.vocab.add_bos)
+            self.stats.context_shifts += shifted
+            full = not shifted
+        if full:
             self._end(job, "length")
 
     # ------------------------------------------------------------------ the end of a request

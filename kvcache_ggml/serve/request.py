@@ -80,6 +80,9 @@ class Job:
     max_tokens: int | None = None          # most tokens to generate (None: until the context is full)
     cache_prompt: bool = True              # keep its sequence in the prefix cache when done
     top_logprobs: int = -1                 # -1: no logprobs; k >= 0: the sampled token's and the k best
+    n_cache_reuse: int | None = None       # chunk reuse by K-shift, least tokens a chunk (None: the engine's)
+    n_keep: int = 0                        # context shift: prompt tokens kept (-1: all; BOS counts apart)
+    n_discard: int = 0                     # context shift: tokens dropped after them (0: half of the rest)
     # ---- the engine's
     state: RequestState = RequestState.WAITING     # see TRANSITIONS
     history: list[RequestState] = field(default_factory=list)  # the states it left, in order
@@ -87,6 +90,7 @@ class Job:
     seq: int = -1                          # its sequence once admitted
     fed: int = 0                           # prompt tokens in its sequence (reused + decoded)
     n_cached: int = 0                      # prompt tokens the prefix cache reused
+    n_discarded: int = 0                   # tokens its context shifts dropped from its sequence
     generated: list[int] = field(default_factory=list)     # sampled tokens
     pending: list[int] = field(default_factory=list)       # sampled tokens whose text is not out yet
     pending_lp: list[TokenLogprob] = field(default_factory=list)  # their logprobs
