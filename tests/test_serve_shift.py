@@ -181,3 +181,44 @@ def test_a_cache_that_cannot_shift_is_refused_at_start(tmp_path):
         j, _ = forced_job(vocab, np.arange(3, 13, dtype=np.int32), [5], n_cache_reuse=4)
         with pytest.raises(ValueError, match="n_cache_reuse 4: this model's cache cannot shift"):
             eng.submit(j)
+
+
+# ---------------------------------------------------------------------------------------------- through HTTP
+
+def test_http_fields_options_and_errors(tmp_path):
+    """``--cache-reuse`` and ``--context-shift`` through the CLI and the OpenAI client: cached_tokens counts the
+    moved chunk, a reply runs past the context, bad fields are 400s naming the field and change nothing."""
+    pytest.importorskip("openai")
+    from serve_helpers import LiveServer, http, make_chat_model
+
+    from kvcache_ggml.serve.cli import parse_args
+
+    path = make_chat_model(tmp_path / "chat.gguf")
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(path), "--cache-reuse", "-1"])
+    s = LiveServer(["--model", str(path), "--alias", "tiny", "--parallel", "1", "--n-ctx", "256", "-t", "2",
+                    "--cache-reuse", "4", "--context-shift"])
+    try:
+        cl = s.client()
+        words = " ".join(f"w{i}" for i in range(60))
+        r1 = cl.completions.create(model="tiny", prompt=words, max_tokens=1, temperature=0)
+        cut = " ".join(f"w{i}" for i in range(60) if not 5 <= i < 15)
+        r2 = cl.completions.create(model="tiny", prompt=cut, max_tokens=1, temperature=0)
+        n1, n2 = r1.usage.prompt_tokens, r2.usage.prompt_tokens
+        assert n2 < n1 and r2.usage.prompt_tokens_details.cached_tokens == n2 - 1  # all but the last: moved
+        assert s.engine.prefix.stats.tokens_shifted > n2 // 2
+        r = cl.completions.create(model="tiny", prompt="Once upon a time", max_tokens=300, temperature=0,
+                                  extra_body={"ignore_eos": True, "n_keep": 2})
+        assert r.usage.completion_tokens == 300 and s.engine.snapshot().stats.context_shifts >= 1
+        before = s.engine.snapshot().stats.requests
+        for field, value, msg in [("n_cache_reuse", -1, "n_cache_reuse must be >= 0"),
+                                  ("n_keep", 99, "n_keep must be in [-1, 4]"), ("n_keep", -2, "n_keep must be in"),
+                                  ("n_discard", -1, "n_discard must be >= 0"),
+                                  ("n_cache_reuse", "4", "n_cache_reuse must be an integer")]:
+            r = http(s.url + "/v1/completions", {"model": "tiny", "prompt": "Once upon a time", field: value})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == field and msg in err["message"], (field, err)
+        s.wait_idle()
+        assert s.engine.snapshot().stats.requests == before
+    finally:
+        s.close()

@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events ending in ``data: [DONE]``), ``POST /tokenize``, ``POST /detokenize``
-(llama-server's shapes) and ``GET /metrics`` (Prometheus text).
+(llama-server's shapes), ``GET /metrics`` (Prometheus text), and llama-server's ``GET /slots`` and
+``POST /slots/{id}?action=save|restore|erase`` (:mod:`.slots`; with ``slot_dir``).
 
 Every failure is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``:
 
@@ -28,6 +29,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -42,6 +44,7 @@ from .engine import Engine, QueueFull
 from .formatters import ChatFormatter, CompletionFormatter, Formatter
 from .request import Event, Job
 from .sampling import Sampler
+from .slots import SlotBusy, erase_slot, restore_slot, save_slot, slot_path, slots_info
 from .text import TextStream
 
 __all__ = ["Service", "make_app"]
@@ -61,6 +64,8 @@ class Service:
     max_body: int = 8 << 20          # bytes a request body may have
     retry_after: int = 1             # seconds a 503 tells the client to wait
     created: int = 0                 # unix time the server started (the model object's "created")
+    slot_dir: Path | None = None     # --slot-save-path (None: POST /slots/{id} answers 501)
+    slots_endpoint: bool = True      # GET /slots answers (--no-slots: 501)
 
 
 def _error(e: P.RequestError, headers: dict | None = None) -> JSONResponse:
@@ -108,6 +113,8 @@ def make_app(svc: Service) -> Starlette:
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/slots", api.slots, methods=["GET"]),
+        Route("/slots/{id_slot}", api.slot_action, methods=["POST"]),
     ], lifespan=lifespan)
 
 
@@ -180,9 +187,15 @@ class _Api:
         cache_prompt = body.get("cache_prompt", True)  # llama-server's extension
         if not isinstance(cache_prompt, bool):
             raise P.RequestError(f"cache_prompt must be a boolean, got {cache_prompt!r}", param="cache_prompt")
+        id_slot = body.get("id_slot", -1)  # llama-server's extension: the sequence the request prefers
+        n_seq = self.eng.prefix.n_seq
+        if isinstance(id_slot, bool) or not isinstance(id_slot, int) or not -1 <= id_slot < n_seq:
+            raise P.RequestError(f"id_slot must be -1 or a slot in [0, {n_seq}), got {id_slot!r}", param="id_slot")
         job = Job(tokens, Sampler(sp, self.n_vocab, self.eog), TextStream(self.vocab, sp.stop),
                   lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), max_tokens=sp.max_tokens,
-                  cache_prompt=cache_prompt, top_logprobs=sp.top_logprobs if sp.logprobs else -1)
+                  cache_prompt=cache_prompt, top_logprobs=sp.top_logprobs if sp.logprobs else -1, id_slot=id_slot)
+        shift = P.parse_shift_fields(body, len(tokens), self.eng.can_shift)  # llama-server's extensions
+        job.n_cache_reuse, job.n_keep, job.n_discard = shift.n_cache_reuse, shift.n_keep, shift.n_discard
         try:
             self.eng.submit(job)
         except QueueFull as err:
@@ -325,6 +338,62 @@ class _Api:
         except P.RequestError as e:
             return _error(e)
         return PlainTextResponse(metrics_text(self.eng), media_type="text/plain; version=0.0.4")
+
+    async def slots(self, request: Request) -> Response:
+        try:
+            self.auth(request)
+            if not self.svc.slots_endpoint:
+                raise P.RequestError("This server does not support slots endpoint. Start it with `--slots`",
+                                     status=501, type="not_supported_error")
+        except P.RequestError as e:
+            return _error(e)
+        return JSONResponse(await asyncio.wrap_future(self.eng.call(slots_info)))
+
+    async def slot_action(self, request: Request) -> Response:
+        """``POST /slots/{id_slot}?action=save|restore|erase`` (llama-server's shapes; :mod:`.slots`)."""
+        try:
+            self.auth(request)
+            d = self.svc.slot_dir
+            if d is None:
+                raise P.RequestError("This server does not support slots action. Start it with `--slot-save-path`",
+                                     status=501, type="not_supported_error")
+            raw, action = request.path_params["id_slot"], request.query_params.get("action", "")
+            if not raw.isdigit():
+                raise P.RequestError(f"invalid slot id {raw!r}", param="id_slot")
+            s = int(raw)
+            if action in ("save", "restore"):
+                body = await self.body_of(request)
+                name = body.get("filename") if isinstance(body, dict) else None
+                try:
+                    path = slot_path(d, name)
+                except ValueError as err:
+                    raise P.RequestError(str(err), param="filename") from None
+                act = save_slot if action == "save" else restore_slot
+                fn = lambda eng: act(eng, s, path, name)  # noqa: E731
+            elif action == "erase":
+                fn = lambda eng: erase_slot(eng, s)  # noqa: E731
+            else:
+                raise P.RequestError(f"invalid action {action!r}: save, restore or erase", param="action")
+            return JSONResponse((await self.slot_call(request, fn)).to_json())
+        except P.RequestError as e:
+            return _error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+    async def slot_call(self, request: Request, fn: Any) -> Any:
+        """``fn`` on the engine's thread; while its slot serves a request, asked again every 20 ms (llama-server
+        defers the task until the slot is idle) until the client goes away."""
+        while True:
+            try:
+                return await asyncio.wrap_future(self.eng.call(fn))
+            except SlotBusy:
+                if await request.is_disconnected():
+                    raise ClientDisconnect() from None
+                await asyncio.sleep(0.02)
+            except ValueError as err:
+                raise P.RequestError(str(err)) from None
+            except OSError as err:
+                raise P.RequestError(f"slot file: {err}", status=500, type="server_error") from None
 
 
 def metrics_text(eng: Engine) -> str:

@@ -42,6 +42,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--threads", "-t", type=int, default=4, help="CPU threads (default %(default)s)")
     ap.add_argument("--host-cache-mib", type=int, default=0, help="RAM for evicted prefixes, MiB (default 0: none)")
     ap.add_argument("--api-key", default="", help="require Authorization: Bearer KEY")
+    ap.add_argument("--slot-save-path", type=Path, default=None,
+                    help="directory of POST /slots/{id}?action=save|restore files (default: none, actions off)")
+    ap.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                    help="the GET /slots endpoint (default: on)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running ones before 503")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default %(default)s)")
     ap.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body, MiB (default %(default)s)")
@@ -57,6 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.parked = a.parallel if a.kv_unified else 0
     if not a.model.is_file():
         ap.error(f"--model {a.model}: no such file")
+    if a.slot_save_path is not None and not a.slot_save_path.is_dir():
+        ap.error(f"--slot-save-path {a.slot_save_path}: not a directory")
     return a
 
 
@@ -88,7 +94,8 @@ def open_service(a: argparse.Namespace):
                                                    warmup=a.warmup),
                         prefix)
         svc = Service(engine, vocab, a.alias or a.model.stem, ChatTemplate.from_gguf_kv(model.gguf_kv, vocab),
-                      api_key=a.api_key, max_body=int(a.max_body_mib * (1 << 20)), created=int(time.time()))
+                      api_key=a.api_key, max_body=int(a.max_body_mib * (1 << 20)), created=int(time.time()),
+                      slot_dir=a.slot_save_path, slots_endpoint=a.slots)
     except BaseException:
         ctx.close()
         model.close()

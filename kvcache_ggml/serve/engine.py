@@ -378,7 +378,7 @@ class Engine:
                 continue
             try:
                 n_reuse = self.params.cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
-                seq = self.prefix.pick_seq(job.tokens, n_reuse)
+                seq = job.id_slot if self._slot_idle(job.id_slot) else self.prefix.pick_seq(job.tokens, n_reuse)
             except ValueError:
                 break  # every sequence serves a request
             self._waiting.popleft()
@@ -398,6 +398,11 @@ class Engine:
         for job in self._waiting:
             if job.state is _S.WAITING_PREFIX and not self._prefix_coming(job):
                 job.move(_S.WAITING)
+
+    def _slot_idle(self, s: int) -> bool:
+        """Sequence ``s`` (a request's ``id_slot``; -1: none) exists and serves no request."""
+        e = self.prefix.seqs.get(s)
+        return 0 <= s < self.prefix.n_seq and (e is None or not e.active)
 
     def _prefix_coming(self, job: Job) -> bool:
         """Whether a request still reading its prompt will soon hold a longer prefix of ``job``'s prompt than the

@@ -36,7 +36,8 @@ from .results import Usage
 
 __all__ = ["RequestError", "SamplingParams", "CompletionRequest", "ChatRequest", "parse_completion", "parse_chat",
            "usage_dict", "completion_response", "completion_chunk", "completion_logprobs", "chat_response",
-           "chat_chunk", "chat_token_logprob", "usage_chunk", "models_response", "ROLES", "MIN_LOGPROB"]
+           "chat_chunk", "chat_token_logprob", "usage_chunk", "models_response", "ROLES", "MIN_LOGPROB",
+           "ShiftFields", "parse_shift_fields"]
 
 ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 MIN_LOGPROB = -9999.0  # OpenAI's logprob for a token the model gives no chance
@@ -333,6 +334,25 @@ def parse_chat(body: Any) -> ChatRequest:
     return ChatRequest(model=model, messages=msgs, stream=stream, stream_include_usage=include_usage,
                        sampling=_sampling(body, max_tokens, logprobs, top), user=_str(body, "user"),
                        chat_template_kwargs={} if kwargs is _ABSENT else dict(kwargs))
+
+
+@dataclass(slots=True)
+class ShiftFields:
+    """llama-server's per-request position-shift fields (either endpoint)."""
+
+    n_cache_reuse: int | None = None  # least tokens of a cached chunk reused by K-shift (None: the server's)
+    n_keep: int = 0                   # context shift: prompt tokens kept (-1: the whole prompt)
+    n_discard: int = 0                # context shift: tokens dropped after them (0: half of the rest)
+
+
+def parse_shift_fields(body: dict[str, Any], n_prompt: int, can_shift: bool) -> ShiftFields:
+    """``n_cache_reuse`` >= 0 (and 0 on a cache that cannot shift), ``n_keep`` in [-1, ``n_prompt``],
+    ``n_discard`` >= 0."""
+    n_reuse = _int(body, "n_cache_reuse", None, 0)
+    if n_reuse and not can_shift:
+        raise RequestError(f"n_cache_reuse {n_reuse}: this model's cache cannot shift positions, so no chunk can "
+                           "be reused (0 or absent only)", param="n_cache_reuse")
+    return ShiftFields(n_reuse, _int(body, "n_keep", 0, -1, n_prompt), _int(body, "n_discard", 0, 0))
 
 
 # ---------------------------------------------------------------------------------------------- responses
