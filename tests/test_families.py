@@ -207,3 +207,27 @@ def test_generate_runs_a_qwen3_model_with_a_byte_level_vocabulary(tmp_path, caps
     for _ in range(5):
         ids.append(int(np.argmax(ref.forward(ids)[-1])))
     assert text == prompt + vocab.detokenize(ids[-5:]) + "\n"
+
+
+def test_serve_answers_with_the_reference_tokens(tmp_path):
+    """``serve`` on a Qwen2.5 preset with GPT-2's byte-level vocabulary: a greedy completion through the OpenAI
+    client is the float64 reference's continuation."""
+    pytest.importorskip("openai")
+    from serve_helpers import GPT2_VOCAB, LiveServer
+
+    from kvcache_ggml.runtime.tokenizer import Vocab
+    path = make_family_model(tmp_path / "q2.gguf", "qwen2.5-0.5b", vocab_from=str(GPT2_VOCAB), embd_type="q8_0",
+                             seed=5)
+    s = LiveServer(["--model", str(path), "--alias", "qwen", "--parallel", "2", "--n-ctx", "512", "--threads", "1",
+                    "-ctk", "f32", "-ctv", "f32"])
+    try:
+        prompt = "The quick brown fox"
+        r = s.client().completions.create(model="qwen", prompt=prompt, max_tokens=5, temperature=0)
+    finally:
+        s.close()
+    vocab = Vocab.from_gguf(path)
+    ids = vocab.tokenize(prompt)
+    ref = Reference(path)
+    for _ in range(5):
+        ids.append(int(np.argmax(ref.forward(ids)[-1])))
+    assert r.choices[0].text == vocab.detokenize(ids[-5:])
