@@ -308,6 +308,15 @@ class KVCacheISWA:
             raise
         return io.tell() - start
 
+    def state_check(self, io: StateReader, seq_id: int = -1, flags: int = 0) -> int:
+        """What :meth:`state_read` checks, changing nothing (the base cache's part, then the SWA cache's); the
+        cells of the base cache's part (the SWA cache's, with PARTIAL_ONLY)."""
+        base, swa = self._check_open()
+        self.check_seq_state(seq_id, allow_all=True)
+        n = -1 if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else base.state_check(io, seq_id)
+        n_swa = swa.state_check(io, seq_id)
+        return n_swa if n < 0 else n
+
     def state_size(self, seq_id: int = -1, flags: int = 0) -> int:
         io = CountingWriter()
         self.state_write(io, seq_id, flags)

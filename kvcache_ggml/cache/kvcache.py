@@ -342,6 +342,10 @@ class KVCache:
         finally:
             self.check_rpc("state_read", sync=True)
 
+    def state_check(self, io: StateReader, seq_id: int = -1) -> int:
+        """What :meth:`state_read` checks, changing nothing; the state's cells (``StateCodec.state_check``)."""
+        return self.codec.state_check(io, seq_id)
+
     def state_size(self, seq_id: int = -1) -> int:
         return self.codec.state_size(seq_id)
 

@@ -83,6 +83,7 @@ class Job:
     n_cache_reuse: int | None = None       # chunk reuse by K-shift, least tokens a chunk (None: the engine's)
     n_keep: int = 0                        # context shift: prompt tokens kept (-1: all; BOS counts apart)
     n_discard: int = 0                     # context shift: tokens dropped after them (0: half of the rest)
+    id_slot: int = -1                      # the sequence it prefers when that one serves no request (-1: any)
     # ---- the engine's
     state: RequestState = RequestState.WAITING     # see TRANSITIONS
     history: list[RequestState] = field(default_factory=list)  # the states it left, in order

@@ -14,7 +14,7 @@ module      owns
 """
 from __future__ import annotations
 
-from .files import load_seq_file, parse_state, read_state_file, save_seq_file
+from .files import SeqFile, check_seq_data, load_seq_file, parse_state, read_state_file, save_seq_file
 from .format import (SESSION_MAGIC, SESSION_VERSION, STATE_SEQ_MAGIC, STATE_SEQ_VERSION, CellRange, LayerState,
                      StateInfo, StreamState)
 from .io import (BufferWriter, BytesReader, BytesWriter, CountingWriter, FileWriter, StateReader, StateWriter,
@@ -23,6 +23,6 @@ from .io import (BufferWriter, BytesReader, BytesWriter, CountingWriter, FileWri
 __all__ = [
     "StateWriter", "StateReader", "CountingWriter", "BytesWriter", "BufferWriter", "StreamWriter",
     "FileWriter", "BytesReader", "StreamReader", "StateInfo", "StreamState", "LayerState", "CellRange",
-    "parse_state", "read_state_file", "save_seq_file", "load_seq_file",
+    "parse_state", "read_state_file", "save_seq_file", "load_seq_file", "SeqFile", "check_seq_data",
     "STATE_SEQ_MAGIC", "STATE_SEQ_VERSION", "SESSION_MAGIC", "SESSION_VERSION",
 ]

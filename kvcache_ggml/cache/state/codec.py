@@ -108,10 +108,7 @@ class StateCodec:
                 if st.cell_count == 0:
                     continue
                 if seq_id >= 0:
-                    if holder >= 0:
-                        raise ValueError(f"stream {s}: cell_count is {st.cell_count}, expected 0 (a single-sequence "
-                                         f"state has cells in one stream, and stream {holder} had them)")
-                    holder = s
+                    holder = _single_holder(s, st.cell_count, holder)
                 end = io.tell()
                 self._restore_stream(io, st, s, seq_id, start)
                 io.seek(end)
@@ -119,6 +116,24 @@ class StateCodec:
             self.undo_restore(seq_id)
             raise
         return io.tell() - start
+
+    def state_check(self, io: StateReader, seq_id: int = -1) -> int:
+        """Every check :meth:`state_read` makes before it places cells, changing nothing: the stream count, each
+        stream against this cache (cells, layer headers, that every layer's data is there) and, for one sequence,
+        cells in one stream only.  Returns the cells the state holds; ``io`` is left after the state.  ValueError as
+        :meth:`state_read` (a restore may still find no room for the cells)."""
+        self.book.check_seq(seq_id, allow_all=True)
+        self.check_layout(data=True)
+        start = io.tell()
+        check_eq("n_stream", io.u32("n_stream"), self.book.n_stream)
+        ex = self._state_expect(seq_id)
+        n_cells, holder = 0, -1
+        for s in range(self.book.n_stream):
+            st = parse_stream(io, s, ex, base=start)
+            if st.cell_count and seq_id >= 0:
+                holder = _single_holder(s, st.cell_count, holder)
+            n_cells += st.cell_count
+        return n_cells
 
     def state_size(self, seq_id: int = -1) -> int:
         """Bytes of :meth:`state_write` (``llama_state_seq_get_size``)."""
@@ -293,6 +308,14 @@ class StateCodec:
                 _read_cells(src, layer.v_stream[strm], idxs, runs, L.v_row_size, 1, kv)
             else:
                 _read_cells(src, layer.v_stream[strm], idxs, runs, L.v_el_size, hp.n_embd_v_gqa(layer.il), kv)
+
+
+def _single_holder(s: int, cell_count: int, holder: int) -> int:
+    """Stream ``s`` has cells of a single-sequence state: it is their stream (ValueError if another one had them)."""
+    if holder >= 0:
+        raise ValueError(f"stream {s}: cell_count is {cell_count}, expected 0 (a single-sequence state has cells in "
+                         f"one stream, and stream {holder} had them)")
+    return s
 
 
 def _runs(idxs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

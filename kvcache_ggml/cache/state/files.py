@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,12 +18,22 @@ import numpy as np
 from ..._consts import INT32_MAX, LLAMA_MAX_SEQ
 from .format import (FILE_HDR, PARSE_ONLY, SESSION_MAGIC, SESSION_VERSION, STATE_SEQ_MAGIC, STATE_SEQ_VERSION,
                            StateInfo, check_eq, magic_text, parse_stream)
-from .io import BytesReader, FileWriter, StreamReader
+from .io import BytesReader, FileWriter, StateReader, StreamReader
 
 if TYPE_CHECKING:
     from ..kvcache import KVCache
 
-__all__ = ["parse_state", "read_state_file", "save_seq_file", "load_seq_file"]
+__all__ = ["parse_state", "read_state_file", "save_seq_file", "load_seq_file", "SeqFile", "check_seq_data"]
+
+
+@dataclass(slots=True)
+class SeqFile:
+    """A sequence state file checked against a cache (:func:`check_seq_data`)."""
+
+    tokens: np.ndarray               # int32 [n_token]: the tokens the file names
+    state_offset: int                # where the state starts (after magic, version and the tokens)
+    n_cells: int                     # cells the state holds (the base cache's, for an iSWA cache)
+    n_bytes: int                     # the file's size (header, tokens and state; nothing trails)
 
 
 def _as_u8(data: Any) -> np.ndarray:
@@ -101,15 +112,7 @@ def load_seq_file(path: str | os.PathLike, kv: KVCache, dest_seq_id: int,
     kv.check_seq_state(dest_seq_id)
     with open(path, "rb") as f:
         io = StreamReader(f)
-        magic = io.u32("magic")
-        if magic != STATE_SEQ_MAGIC:
-            raise ValueError(f"magic is 0x{magic:08x}, expected 0x{STATE_SEQ_MAGIC:08x} ('ggsq', a sequence state "
-                             f"file)")
-        check_eq("sequence state file version", io.u32("version"), STATE_SEQ_VERSION)
-        n_token = io.u32("n_token")
-        if n_token_capacity is not None and n_token > n_token_capacity:
-            raise ValueError(f"n_token is {n_token}, expected at most {n_token_capacity} (n_token_capacity)")
-        tokens = io.read(4 * n_token, f"{n_token} tokens").view("<i4").astype(np.int32)
+        tokens = _read_seq_header(io, n_token_capacity)
         state_start = io.tell()
         n = kv.state_read(io, dest_seq_id)
         extra = io.remaining()
@@ -118,3 +121,32 @@ def load_seq_file(path: str | os.PathLike, kv: KVCache, dest_seq_id: int,
             raise ValueError(f"state at offset {state_start} is {n} bytes followed by {extra} trailing bytes, "
                              f"expected none")
     return tokens
+
+
+def check_seq_data(data: Any, kv: Any, dest_seq_id: int, n_token_capacity: int | None = None) -> SeqFile:
+    """Every check :func:`load_seq_file` makes, on a file's bytes and without changing ``kv`` (a ``Memory``):
+    the header, the tokens (at most ``n_token_capacity``), the state against the cache (``state_check``) and no
+    trailing bytes.  ValueError naming the problem; a restore of the checked bytes can then only lack room."""
+    kv.check_seq_state(dest_seq_id)
+    io = BytesReader(_as_u8(data))
+    tokens = _read_seq_header(io, n_token_capacity)
+    start = io.tell()
+    n_cells = kv.state_check(io, dest_seq_id)
+    extra = io.remaining()
+    if extra:
+        raise ValueError(f"state at offset {start} is {io.tell() - start} bytes followed by {extra} trailing "
+                         f"bytes, expected none")
+    return SeqFile(tokens, start, int(n_cells), io.tell())
+
+
+def _read_seq_header(io: StateReader, n_token_capacity: int | None) -> np.ndarray:
+    """A sequence state file's magic, version and tokens (ValueError on a mismatch or too many tokens)."""
+    magic = io.u32("magic")
+    if magic != STATE_SEQ_MAGIC:
+        raise ValueError(f"magic is 0x{magic:08x}, expected 0x{STATE_SEQ_MAGIC:08x} ('ggsq', a sequence state "
+                         f"file)")
+    check_eq("sequence state file version", io.u32("version"), STATE_SEQ_VERSION)
+    n_token = io.u32("n_token")
+    if n_token_capacity is not None and n_token > n_token_capacity:
+        raise ValueError(f"n_token is {n_token}, expected at most {n_token_capacity} (n_token_capacity)")
+    return io.read(4 * n_token, f"{n_token} tokens").view("<i4").astype(np.int32)
