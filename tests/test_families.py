@@ -182,6 +182,8 @@ def test_the_loader_checks_rope_scaling_window_and_biases(paths, tmp_path):
         Model(_rewrite(paths["qwen3-0.6b"], tmp_path / "q3b.gguf", {}, bias))
     with pytest.raises(ValueError, match="attn_output.bias is not supported for arch llama"):
         Model(_rewrite(mistral, tmp_path / "ob.gguf", {}, {"blk.1.attn_output.bias": np.zeros(128, np.float32)}))
+    with pytest.raises(ValueError, match="output.bias is not supported for arch qwen2"):
+        Model(_rewrite(paths["qwen2.5-0.5b"], tmp_path / "outb.gguf", {}, {"output.bias": np.zeros(64, np.float32)}))
     with pytest.raises(ValueError, match="heads \\* head_dim == embd"):
         make_family_model(tmp_path / "bad.gguf", FamilySpec(arch="qwen2", embd=64, heads=4, head_dim=32))
 
