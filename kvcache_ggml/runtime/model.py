@@ -260,7 +260,7 @@ class Model:
                              f"{' ...' if len(missing) > 6 else ''}")
         optional = [f"blk.{il}.{n}" for il in range(hp.n_layer) for n in self.optional_layer_tensors()]
         names = need + [n for n in ["output.weight", "rope_freqs.weight"] + optional if n in by_name]
-        unused = [n for n in by_name if n.startswith("blk.") and n.endswith(".bias") and n not in names]
+        unused = [n for n in by_name if n.endswith(".bias") and n not in names]  # e.g. Qwen2's output.bias
         if unused:
             raise ValueError(f"{self.path}: tensor {unused[0]} is not supported for arch {hp.arch}")
 
