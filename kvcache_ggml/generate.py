@@ -7,6 +7,11 @@ server's :class:`~kvcache_ggml.serve.sampling.Sampler`: greedy with ``--temp 0``
 ``--top-p``, ``--min-p`` and a draw at temperature ``--temp``; sequence s's generator is seeded with ``--seed`` + s,
 so a seed gives the same text every run.  A sequence stops at an end-of-generation token or after ``--n-predict``
 tokens.  Sequence 0's text is printed as it comes; with several sequences each one's text follows at the end.
+
+Speculative decoding (``--model-draft PATH`` or ``--spec-ngram``, with ``--draft-max``, ``--draft-min`` and
+``--draft-p-min``, as ``serve`` has them): the sequences run as requests of the serving engine (one prompt read once,
+then shared through the prefix cache), each step verifying every sequence's draft in one batch; the text is the
+same as without a draft (docs/serving.md, "Speculative decoding").
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ __all__ = ["main"]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
+    from .serve.speculative import add_spec_args, check_spec_args
+
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a llama, gemma2 or gemma3 GGUF with a tokenizer")
@@ -37,7 +44,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--n-ctx", type=int, default=0, help="context size; 0 = the model's training context")
     ap.add_argument("--threads", type=int, default=4, help="CPU threads (default %(default)s)")
     ap.add_argument("--no-flash-attn", dest="flash_attn", action="store_false", help="mul_mat + soft_max attention")
+    add_spec_args(ap)
     a = ap.parse_args(argv)
+    check_spec_args(ap, a)
     for name in ("n_predict", "n_par", "threads"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -67,7 +76,9 @@ def main(argv: list[str]) -> int:
     with load_model(a.model) as model:
         vocab = Vocab.from_kv(model.gguf_kv, str(a.model))
         prompt = np.array(vocab.tokenize(a.prompt, add_special=True, parse_special=True), np.int32)
-        params = ContextParams(n_ctx=a.n_ctx, n_batch=max(len(prompt), a.n_par), n_seq_max=a.n_par,
+        spec = a.spec_ngram or a.model_draft is not None
+        n_batch = max(len(prompt), a.n_par * (1 + a.draft_max if spec else 1))
+        params = ContextParams(n_ctx=a.n_ctx, n_batch=n_batch, n_seq_max=a.n_par,
                                kv_unified=True, flash_attn=a.flash_attn, n_threads=a.threads,
                                n_threads_batch=a.threads)
         for line in kv_memory_plan(model, params).describe(params.type_k, params.type_v):
@@ -82,6 +93,8 @@ def main(argv: list[str]) -> int:
             stream = StreamDecoder(vocab, skip_leading_space=False)
             out.write(a.prompt)
             out.flush()
+            if spec:
+                return _speculative(a, ctx, vocab, prompt, samplers, out)
 
             def show(seq: int, token: int) -> None:
                 if seq == 0:
@@ -99,3 +112,49 @@ def main(argv: list[str]) -> int:
                   f"{run.t_gen:.2f} s ({n_tok / max(run.t_gen, 1e-9):.1f} tokens/s, {run.n_steps} batched steps)]",
                   file=sys.stderr)
     return 0
+
+
+def _speculative(a: argparse.Namespace, ctx, vocab, prompt: np.ndarray, samplers: list, out) -> int:
+    """The sequences as requests of the serving engine with a drafter (the module docstring); the same output as
+    :func:`main`'s own loop."""
+    import time
+
+    from .serve.engine import Engine, EngineParams
+    from .serve.request import Job
+    from .serve.speculative import close_drafter, open_drafter
+    from .serve.text import TextStream
+
+    drafter = open_drafter(a, ctx)
+    try:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=a.n_par, warmup=False, draft_max=a.draft_max,
+                                              draft_min=a.draft_min), drafter=drafter)
+        tokens: list[list[int]] = [[] for _ in range(a.n_par)]
+        errors: list[str] = []
+
+        def sink(s: int):
+            def emit(ev) -> None:
+                if ev.kind == "text":
+                    tokens[s].extend(ev.tokens)
+                    if s == 0:
+                        out.write(ev.text)
+                        out.flush()
+                elif ev.kind == "error":
+                    errors.append(f"sequence {s}: {ev.text}")
+            return emit
+
+        for s in range(a.n_par):
+            eng.submit(Job(prompt, samplers[s], TextStream(vocab), sink(s), max_tokens=a.n_predict))
+        t0 = time.perf_counter()
+        eng.run_until_idle()
+        dt = time.perf_counter() - t0
+    finally:
+        close_drafter(drafter)
+    out.write("\n")
+    for s in range(1, a.n_par):
+        out.write(f"--- sequence {s}: {a.prompt}{vocab.detokenize(tokens[s])}\n")
+    for e in errors:
+        print(f"[error: {e}]", file=sys.stderr)
+    st, n_tok = eng.stats, sum(len(t) for t in tokens)
+    print(f"[generated {n_tok} tokens in {dt:.2f} s ({n_tok / max(dt, 1e-9):.1f} tokens/s, {st.steps} steps); "
+          f"{st.drafts} drafts, {st.draft_accepted} of {st.draft_tokens} draft tokens accepted]", file=sys.stderr)
+    return 1 if errors else 0

@@ -193,14 +193,20 @@ class PrefixCache:
         st.misses += source == "none"
         return Admission(seq_id, toks.size, n, toks.size - n, source, src, shifted)
 
-    def advance(self, parts: Sequence[tuple[int, Sequence[int], bool]]) -> list[np.ndarray | None]:
+    def advance(self, parts: Sequence[tuple[int, Sequence[int], bool]],
+                all_rows: Collection[int] = ()) -> list[np.ndarray | None]:
         """Decode several active sequences' next tokens in one batch: ``parts`` are (seq_id, tokens, want_logits)
         for distinct sequences, each part's tokens following what its sequence holds; returns, per part, the
-        float32 [n_vocab] logits of its last token (a row of the decode's new array) or None.  A serving loop mixes
-        one-token generation steps and chunks of prompts this way.  The batch must fit n_batch; parked sequences are
-        evicted while the cache has no slot for it (``DecodeError`` when none is left, nothing changed)."""
+        float32 [n_vocab] logits of its last token (a row of the decode's new array) or None; the parts whose
+        index is in ``all_rows`` get the [n, n_vocab] logits of all their n tokens instead (a draft's
+        verification).  A serving loop mixes one-token generation steps and chunks of prompts this way.  The batch
+        must fit n_batch; parked sequences are evicted while the cache has no slot for it (``DecodeError`` when none
+        is left, nothing changed)."""
         if not parts:
             raise ValueError("advance needs at least one part")
+        every = sorted({int(i) for i in all_rows})
+        if every and not 0 <= every[0] <= every[-1] < len(parts):
+            raise ValueError(f"advance: all_rows {every} out of range [0, {len(parts)})")
         entries, chunks = [], []
         for seq_id, tokens, _ in parts:
             toks = self.index.check_tokens(tokens)
@@ -218,6 +224,9 @@ class PrefixCache:
         flags = np.zeros(n, np.int8)
         want = np.array([bool(p[2]) for p in parts])
         flags[ends[want]] = 1
+        for i in every:
+            flags[ends[i] + 1 - sizes[i]:ends[i] + 1] = 1
+            want[i] = True
         seq = np.repeat(np.array([e.seq_id for e in entries], np.int32), sizes)
         tick = self._touch()
         logits = self._decode(Batch(token=np.concatenate(chunks), seq_id=seq, logits=flags),
@@ -227,8 +236,13 @@ class PrefixCache:
             if e.clean:
                 self.index.append(e, c)
         self.stats.tokens_decoded += n
-        rows = iter(logits)  # (the decode's own new array: its rows need no copy)
-        return [next(rows) if w else None for w in want.tolist()]
+        out: list[np.ndarray | None] = [None] * len(parts)  # (rows of the decode's own new array: no copy)
+        k, full = 0, set(every)
+        for i in np.flatnonzero(want).tolist():
+            n = int(sizes[i]) if i in full else 1
+            out[i] = logits[k:k + n] if i in full else logits[k]
+            k += n
+        return out
 
     def release(self, seq_id: int) -> None:
         """The request on ``seq_id`` is done: its sequence stays cached (parked) until evicted."""

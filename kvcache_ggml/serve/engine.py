@@ -48,6 +48,7 @@ from ..runtime.context import DecodeError
 from .request import Event, Job, RequestState
 from .shift import check_shift_fields, shift_job
 from .results import TokenLogprob, Usage
+from .speculative import Drafter, DraftRequest
 
 __all__ = ["EngineParams", "Engine", "QueueFull", "EngineStats", "EngineSnapshot", "Chunk", "StepPlan"]
 
@@ -74,6 +75,8 @@ class EngineParams:
     #                                --cache-reuse); a request's n_cache_reuse overrides it
     context_shift: bool = False    # a request reaching n_ctx_seq drops n_discard tokens after n_keep and goes on
     #                                (serve/shift.py); False: it ends ("length")
+    draft_max: int = 16            # with a drafter: most draft tokens verified per request and step (llama.cpp's)
+    draft_min: int = 0             # with a drafter: a shorter draft is not verified (the request decodes one token)
 
     def check(self, n_seq: int, n_batch: int) -> None:
         if not 1 <= self.n_parallel <= n_seq:
@@ -85,6 +88,9 @@ class EngineParams:
                              "one token of every generating request")
         if self.max_queue < 0 or self.timeout <= 0:
             raise ValueError(f"max_queue must be >= 0 and timeout > 0, got {self.max_queue}, {self.timeout}")
+        if self.draft_max < 1 or not 0 <= self.draft_min <= self.draft_max:
+            raise ValueError(f"draft_max must be >= 1 and draft_min in [0, draft_max], got draft_max "
+                             f"{self.draft_max}, draft_min {self.draft_min}")
         if self.cache_reuse < 0:
             raise ValueError(f"cache_reuse must be >= 0 (0: off), got {self.cache_reuse}")
 
@@ -103,6 +109,9 @@ class EngineStats:
     steps: int = 0                 # batches decoded
     ended_full: int = 0            # requests ended ("length") or sent back to the queue because the cache was full
     plan_misses: int = 0           # steps whose decode found no slot although the plan had claimed the room
+    drafts: int = 0                # drafts verified (speculative decoding)
+    draft_tokens: int = 0          # their tokens (llama-server's draft_n)
+    draft_accepted: int = 0        # of them, the tokens accepted (llama-server's draft_n_accepted)
     context_shifts: int = 0        # context shifts of decoding requests (``context_shift``)
 
 
@@ -125,8 +134,9 @@ class Chunk:
     """One request's part of a step's batch."""
 
     job: Job                       # the request
-    tokens: np.ndarray             # int32 [n]: a prompt chunk, or the one token it sampled last
+    tokens: np.ndarray             # int32 [n]: a prompt chunk, or the one token it sampled last and its draft
     sample: bool                   # a token is sampled from the logits of its last token
+    n_draft: int = 0               # tokens after the first that are a draft (logits on every row, verified)
 
 
 @dataclass(slots=True)
@@ -145,13 +155,16 @@ class Engine:
     thread (``start``/``stop``) or on the caller's (``run_until_idle``, for tests and offline replays)."""
 
     def __init__(self, ctx: Any, vocab: Any, params: EngineParams | None = None,
-                 prefix: PrefixParams | None = None) -> None:
+                 prefix: PrefixParams | None = None, drafter: Drafter | None = None) -> None:
         self.params = params or EngineParams()
         self.ctx = ctx
         self.vocab = vocab
         self.prefix = PrefixCache(ctx, prefix)
         n_batch = int(ctx.cparams.n_batch)
         self.params.check(self.prefix.n_seq, n_batch)
+        if drafter is not None:
+            drafter.bind(vocab, int(ctx.model.n_vocab), self.prefix.n_seq)
+        self.drafter = drafter                         # speculative decoding's drafts (None: none)
         self.budget = self.params.step_tokens or n_batch
         self.n_ctx_seq = int(ctx.n_ctx_seq())
         self.can_shift = bool(ctx.memory_can_shift())  # cache reuse and context shifts need it
@@ -332,16 +345,21 @@ class Engine:
 
     def plan(self) -> StepPlan:
         """Take the messages that arrived, end cancelled and expired requests, admit waiting ones, choose the batch
-        under the token budget and claim its room in the cache (evicting parked sequences, then holding prompt
-        chunks back, then ending or sending back the request admitted last)."""
+        under the token budget (with a drafter, each decoding request's draft after its token) and claim its room
+        in the cache (evicting parked sequences, then dropping the drafts, then holding prompt chunks back, then
+        ending or sending back the request admitted last)."""
         plan = StepPlan()
         self._take_messages()
         self._expire()
         self._admit(plan)
+        drafts = self._propose()
         while self._running:
-            chunks, held = self._batch()
+            chunks, held = self._batch(drafts)
             if self._claim(chunks):
                 break
+            if drafts:  # room is short: the drafts go first
+                drafts = {}
+                continue
             dec = [c for c in chunks if c.job.state is _S.DECODING]
             if dec and len(dec) < len(chunks) and self._claim(dec):
                 chunks, held = dec, held + [c.job for c in chunks if c.job.state is _S.PREFILL]
@@ -418,12 +436,19 @@ class Engine:
                 return True
         return False
 
-    def _batch(self) -> tuple[list[Chunk], list[Job]]:
-        """The step's chunks under the token budget: every decoding request's last token, then prompt chunks in
-        admission order; and the reading requests left out."""
+    def _batch(self, drafts: dict[Job, np.ndarray]) -> tuple[list[Chunk], list[Job]]:
+        """The step's chunks under the token budget: every decoding request's last token, then the drafts (as many
+        of their tokens as the budget leaves, in admission order), then prompt chunks in admission order; and the
+        reading requests left out."""
         chunks = [Chunk(j, np.array(j.generated[-1:], np.int32), True) for j in self._running
                   if j.state is _S.DECODING]
         left, held = self.budget - len(chunks), []
+        for c in chunks:
+            d = drafts.get(c.job)
+            if d is not None and left > 0:
+                d = d[:left]
+                c.tokens, c.n_draft = np.concatenate([c.tokens, d]), d.size
+                left -= d.size
         for j in self._running:
             if j.state is not _S.PREFILL:
                 continue
@@ -434,6 +459,29 @@ class Engine:
             chunks.append(Chunk(j, piece, j.fed + piece.size == j.tokens.size))
             left -= piece.size
         return chunks, held
+
+    def _propose(self) -> dict[Job, np.ndarray]:
+        """Each decoding request's draft from the drafter (none shorter than ``draft_min``, none that would pass
+        its ``max_tokens`` or reach the context); empty without a drafter or when it fails."""
+        if self.drafter is None:
+            return {}
+        p, jobs, reqs = self.params, [], []
+        for j in self._running:
+            if j.state is not _S.DECODING:
+                continue
+            n = min(p.draft_max, self.n_ctx_seq - (j.tokens.size + len(j.generated) - j.n_discarded) - 1)
+            if j.max_tokens is not None:
+                n = min(n, j.max_tokens - len(j.generated) - 1)
+            if n >= max(p.draft_min, 1):
+                jobs.append(j)
+                reqs.append(DraftRequest(j.seq, np.concatenate([j.tokens, np.array(j.generated, np.int32)]), n))
+        if not reqs:
+            return {}
+        try:
+            got = self.drafter.propose(reqs)
+        except Exception:  # noqa: BLE001 -- a failed draft costs speed, never output: the step goes on without
+            return {}
+        return {j: d[:r.n_max] for j, r, d in zip(jobs, reqs, got) if d.size and d.size >= p.draft_min}
 
     def _claim(self, chunks: list[Chunk]) -> bool:
         """Make room in the cache for ``chunks`` (parked sequences evicted); whether it is there."""
@@ -461,14 +509,20 @@ class Engine:
 
     def execute(self, plan: StepPlan) -> list[np.ndarray | None]:
         """Decode the plan's batch in one call: per chunk, the float32 [n_vocab] logits of its last token (a row of
-        the decode's own array) when it samples, else None."""
-        return self.prefix.advance([(c.job.seq, c.tokens, c.sample) for c in plan.chunks])
+        the decode's own array) when it samples, else None; a chunk with a draft gets [1 + n_draft, n_vocab], a
+        row per token."""
+        return self.prefix.advance([(c.job.seq, c.tokens, c.sample) for c in plan.chunks],
+                                   all_rows=[i for i, c in enumerate(plan.chunks) if c.n_draft])
 
     def update(self, plan: StepPlan, rows: list[np.ndarray | None]) -> None:
-        """Apply a decoded step: prompt progress, then one sampled token per chunk that asked for logits."""
+        """Apply a decoded step: prompt progress, then one sampled token per chunk that asked for logits (a token
+        per accepted draft token more: :meth:`_verify`)."""
         self.stats.steps += 1
         for c, row in zip(plan.chunks, rows):
             job = c.job
+            if c.n_draft:
+                self._verify(c, row)
+                continue
             if job.state is _S.PREFILL:
                 job.fed += c.tokens.size
                 self.stats.computed_tokens += c.tokens.size
@@ -476,6 +530,27 @@ class Engine:
                     continue
                 job.move(_S.DECODING)
             self._sampled(job, row)
+
+    def _verify(self, c: Chunk, rows: np.ndarray) -> None:
+        """llama.cpp's rule: a token sampled from each row in turn, going on while it equals the draft's token
+        there; each one goes through :meth:`_sampled` (stop strings, max_tokens, the context, end tokens apply per
+        token, in order, and may end the request in the middle).  The cells of the draft tokens not accepted
+        (after the last row used) are removed, the sequence's index cut to match -- parked already if it ended."""
+        job, draft = c.job, c.tokens[1:]
+        seq, shifted = job.seq, job.n_discarded
+        end = job.tokens.size + len(job.generated) - job.n_discarded  # cells after its first token, positions < end
+        i = 0
+        while True:
+            self._sampled(job, rows[i])
+            if (i == draft.size or job.state is _S.FINISHED or job.n_discarded != shifted
+                    or job.generated[-1] != draft[i]):
+                break
+            i += 1
+        self.stats.drafts += 1
+        self.stats.draft_tokens += draft.size
+        self.stats.draft_accepted += i
+        if i < draft.size:
+            self.prefix.seq_rm(seq, end + i - (job.n_discarded - shifted), -1)
 
     def _sampled(self, job: Job, logits: np.ndarray) -> None:
         tok = job.sampler.sample(logits)
