@@ -91,13 +91,14 @@ def _scenario() -> list[dict]:
     return ops
 
 
-@pytest.mark.parametrize("wt", ["f32", "q8_0"])
+@pytest.mark.parametrize("wt,tk", [("f32", "f32"), ("q8_0", "f32"), ("f32", "f16")])
 @pytest.mark.parametrize("fa", [False, True], ids=["nofa", "fa"])
 @pytest.mark.parametrize("name", NAMES)
-def test_fork_shift_and_state_both_ways_bit_exact(models, name, fa, wt):
-    """The scenario on both runtimes; then sequence 3's state as llama.cpp saved it restored into our sequence 1,
-    and as we saved it into llama.cpp's, each followed by a decode of both sequences."""
-    path, p = models[(name, wt)], params(fa)
+def test_fork_shift_and_state_both_ways_bit_exact(models, name, fa, wt, tk):
+    """The scenario on both runtimes (weights ``wt``, cache ``tk``); then sequence 3's state as llama.cpp saved it
+    restored into our sequence 1, and as we saved it into llama.cpp's, each followed by a decode of both
+    sequences."""
+    path, p = models[(name, wt)], params(fa, tk=tk)
     ops = _scenario()
     theirs, ours = theirs_of(path, p, ops), ours_of(path, p, ops)
     compare(ours, theirs)
