@@ -53,8 +53,8 @@ class LiveServer:
                              timeout=kwargs.pop("timeout", 120), **kwargs)
 
     def used_cells(self) -> int:
-        kv = self.ctx.kv
-        return sum(kv.v_cells[s].get_used() for s in range(kv.get_n_stream()))
+        """Cells holding a token, every stream (the Memory protocol's count: the base cache's for iSWA)."""
+        return self.ctx.kv.get_used()
 
     def wait_idle(self, timeout: float = 30) -> None:
         """Until the engine runs and queues nothing (a cancelled request is released at the next step)."""
