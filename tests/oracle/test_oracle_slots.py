@@ -1,7 +1,8 @@
 """Slot files interchange with llama-server (issue 37): a slot that llama.cpp's own ``llama-server`` saved restores in
 ours and continues with the greedy tokens of llama-server's own restore, and the reverse.
 
-Both servers serve one GGUF (a random 2-layer llama with GPT-2's vocabulary) with the same layout -- ``-kvu``, F16
+Both servers serve one GGUF (a random 2-layer llama, or Gemma 3 with a sliding window of 8 -- the iSWA cache, whose
+file holds the base cache's state, then the SWA cache's -- with GPT-2's vocabulary) with the same layout -- ``-kvu``, F16
 K/V, flash attention, ``-c 1024`` -- and one ``--slot-save-path``.  The continuation prompt is the file's tokens and
 a few more; each server answers it greedily in the restored slot (``id_slot``), and the texts must be equal.  Both
 get a ``logit_bias`` banning GPT-2's tokens that are not UTF-8 text on their own (llama-server's text of a random
@@ -18,7 +19,7 @@ from llama_runner import LLAMA_SERVER
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
-from serve_helpers import LiveServer, http, make_chat_model  # noqa: E402
+from serve_helpers import GPT2_VOCAB, LiveServer, http, make_chat_model  # noqa: E402
 
 pytestmark = [pytest.mark.oracle,
               pytest.mark.skipif(not LLAMA_SERVER.exists(),
@@ -51,10 +52,16 @@ class Llama:
         self.log.close()
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def servers(request, tmp_path_factory):
     d = tmp_path_factory.mktemp("oracle_slots")
-    model = make_chat_model(d / "chat.gguf")
+    if request.param == "llama":
+        model = make_chat_model(d / "chat.gguf")
+    else:
+        from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
+        model = make_gemma_model(d / "g3.gguf", GemmaSpec(arch="gemma3", layers=2, embd=64, heads=2, heads_kv=1,
+                                                          head_dim=32, n_swa=8, ctx=2048, seed=5,
+                                                          vocab_from=str(GPT2_VOCAB)))
     (d / "slots").mkdir()
     llama = Llama(model, d / "slots", d / "llama-server.log")
     ours = LiveServer(["--model", str(model), "--alias", "tiny", "--slot-save-path", str(d / "slots"), *LAYOUT])
