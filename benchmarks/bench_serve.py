@@ -259,6 +259,156 @@ def summary(runs: list[Run], model: Path) -> dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------------------------------------- --cache-reuse N
+
+def reuse_prompts(rng: np.random.Generator, a: argparse.Namespace) -> list[str]:
+    """A document read through a sliding window, one completion request per step: request k holds paragraphs
+    k..k+W-1 and a question, so the paragraphs of the previous request but its first reappear, moved back by one
+    paragraph (chunks a cache-reuse server shifts into place; a prefix cache alone matches nothing)."""
+    w, n = a.reuse_window, a.reuse_requests
+    paras = [text_of(rng, a.reuse_words) for _ in range(w + n - 1)]
+    return ["\n\n".join(paras[k:k + w]) + "\n\nQuestion: which season comes next?\nAnswer:" for k in range(n)]
+
+
+def reuse_run(kind: str, model: Path, n_reuse: int, a: argparse.Namespace, log: Path,
+              bias: dict[str, float]) -> dict[str, float]:
+    """One server (one slot) with ``--cache-reuse n_reuse``, the sliding-window requests one after the other:
+    prompt tokens, of them computed, median and total seconds per request (the first, a cold read, left out)."""
+    import openai
+
+    port = free_port()
+    cmd = server_cmd(kind, model, port, a, 1) + ["--cache-reuse", str(n_reuse)]
+    prompts = reuse_prompts(np.random.default_rng(7), a)
+    prompt = computed = 0
+    secs = []
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, proc)
+            warm_request(url, bias)
+            cl = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+            for k, p in enumerate(prompts):
+                t0 = time.perf_counter()
+                r = cl.completions.create(model="bench", prompt=p, max_tokens=a.reply, temperature=0,
+                                          logit_bias=bias, extra_body={"ignore_eos": True})
+                dt = time.perf_counter() - t0
+                if k == 0:
+                    continue
+                timings = (r.model_extra or {}).get("timings")
+                details = r.usage.prompt_tokens_details
+                cached = (details.cached_tokens or 0) if details else 0
+                prompt += r.usage.prompt_tokens
+                computed += int(timings["prompt_n"]) if timings else r.usage.prompt_tokens - cached
+                secs.append(dt)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return {"prompt": prompt, "computed": computed, "p50": statistics.median(secs), "total": sum(secs)}
+
+
+def reuse_main(model: Path, a: argparse.Namespace, kinds: list[str], log: Path, bias: dict[str, float]) -> int:
+    """The cache-reuse rows: each server without chunk reuse and with ``--cache-reuse N`` (best of ``--runs``)."""
+    print(f"cache reuse: {a.reuse_requests} requests, one slot, a window of {a.reuse_window} paragraphs of "
+          f"{a.reuse_words} words sliding by one; replies {a.reply} tokens; the first request (cold) not counted")
+    for kind in kinds:
+        cmd = " ".join(server_cmd(kind, model, 0, a, 1)).replace(" --port 0", "")
+        print(f"  {kind:>5}: {cmd} --cache-reuse N")
+    print(f"{'server':>6} {'N':>4} {'prompt':>7} {'computed':>9} {'p50 s/req':>10} {'total s':>8}")
+    for kind in kinds:
+        for n_reuse in (0, a.cache_reuse):
+            runs = [reuse_run(kind, model, n_reuse, a, log, bias) for _ in range(a.runs)]
+            best = min(runs, key=lambda r: r["total"])
+            print(f"{kind:>6} {n_reuse:>4} {best['prompt']:>7.0f} {best['computed']:>9.0f} {best['p50']:>10.3f} "
+                  f"{best['total']:>8.2f}", flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- --restore
+
+def restore_post(url: str, path: str, body: dict) -> tuple[dict, float]:
+    """POST ``body`` as JSON; (the answer, seconds it took)."""
+    import json
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    return out, time.perf_counter() - t0
+
+
+def restore_run(kind: str, model: Path, a: argparse.Namespace, log: Path, bias: dict[str, float]) -> list[dict]:
+    """One server, ``a.runs`` times: a conversation of ``a.restore`` tokens read and saved to a slot file; then the
+    next turn (the conversation and 8 tokens more, one token of reply) computed from scratch after the slot is
+    erased, and the same turn after the slot is restored from the file.  Per run: (seconds) the restore call, the
+    turn's time after it and from scratch; the prompt tokens each computed."""
+    rng = np.random.default_rng(5)
+    conv = [int(t) for t in rng.integers(1000, 30000, a.restore)]
+    turn = conv + [int(t) for t in rng.integers(1000, 30000, 8)]
+    body = {"model": "bench", "max_tokens": 1, "temperature": 0, "logit_bias": bias, "id_slot": 0}
+    port, rows = free_port(), []
+    with tempfile.TemporaryDirectory() as slots, open(log, "ab") as out:
+        extra = ["--slot-save-path", slots] + (["--host-cache-mib", "0"] if kind == "ours" else ["--cache-ram", "0"])
+        cmd = [x for x in server_cmd(kind, model, port, a, 1) if x not in ("--host-cache-mib", "1024")] + extra
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(url, proc)
+            restore_post(url, "/v1/completions", dict(body, prompt=[11, 12, 13]))  # warm-up
+            for _ in range(a.runs):
+                restore_post(url, "/v1/completions", dict(body, prompt=conv))
+                restore_post(url, "/slots/0?action=save", {"filename": "conv.bin"})
+                restore_post(url, "/slots/0?action=erase", {})
+                scratch, t_scratch = restore_post(url, "/v1/completions", dict(body, prompt=turn))
+                restore_post(url, "/slots/0?action=erase", {})
+                restored, t_restore = restore_post(url, "/slots/0?action=restore", {"filename": "conv.bin"})
+                after, t_after = restore_post(url, "/v1/completions", dict(body, prompt=turn))
+                restore_post(url, "/slots/0?action=erase", {})
+                assert restored["n_restored"] == len(conv), restored
+                rows.append({"restore": t_restore, "after": t_after, "scratch": t_scratch,
+                             "computed_after": restore_computed(kind, after),
+                             "computed_scratch": restore_computed(kind, scratch)})
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    return rows
+
+
+def restore_computed(kind: str, answer: dict) -> int:
+    """Prompt tokens a server computed for a completion (llama-server's timings.prompt_n)."""
+    if kind == "llama":
+        return int(answer["timings"]["prompt_n"])
+    u = answer["usage"]
+    return int(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"])
+
+
+def restore_main(model: Path, a: argparse.Namespace, kinds: list[str], log: Path, bias: dict[str, float]) -> int:
+    """``--restore N``: the time to first token of a restored N-token conversation against recomputing it."""
+    print(f"restore: a {a.restore}-token conversation saved to a slot file; its next turn (+8 tokens, 1 token of "
+          f"reply) after erasing the slot (scratch) and after restoring it (restore call + the turn); -np 1, median "
+          f"of {a.runs}")
+    for kind in kinds:
+        cmd = " ".join(server_cmd(kind, model, 0, a, 1)).replace(" --port 0", "")
+        print(f"  {kind:>5}: {cmd.replace(' --host-cache-mib 1024', '')} --slot-save-path DIR "
+              f"{'--host-cache-mib 0' if kind == 'ours' else '--cache-ram 0'}")
+    print(f"{'server':>6} {'restore':>8} {'turn':>8} {'restore+turn':>13} {'scratch':>8} {'computed':>9} "
+          f"{'scratch computed':>17}")
+    for kind in kinds:
+        rows = restore_run(kind, model, a, log, bias)
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        print(f"{kind:>6} {med['restore'] * 1e3:>6.1f}ms {med['after'] * 1e3:>6.1f}ms "
+              f"{(med['restore'] + med['after']) * 1e3:>11.1f}ms {med['scratch'] * 1e3:>6.1f}ms "
+              f"{med['computed_after']:>9.0f} {med['computed_scratch']:>17.0f}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
@@ -272,6 +422,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
     ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "kvcache_bench_serve.gguf")
+    ap.add_argument("--restore", type=int, default=0, metavar="N",
+                    help="run the slot-restore scenario instead: TTFT of a restored N-token conversation against "
+                         "recomputing it, both servers")
+    ap.add_argument("--cache-reuse", type=int, default=0, metavar="N",
+                    help="run the cache-reuse scenario instead (a sliding window over a document), both servers "
+                         "without and with --cache-reuse N")
+    ap.add_argument("--reuse-requests", type=int, default=8, help="cache reuse: requests (default %(default)s)")
+    ap.add_argument("--reuse-window", type=int, default=8, help="cache reuse: paragraphs a request holds")
+    ap.add_argument("--reuse-words", type=int, default=60, help="cache reuse: words a paragraph (~1 token each)")
     a = ap.parse_args()
     model = make_bench_model(a.model)
     kinds = [k for k in ("ours", "llama") if a.only in (None, k)]
@@ -280,6 +439,10 @@ def main() -> int:
         kinds.remove("llama")
     log = Path(tempfile.gettempdir()) / "bench_serve.log"
     bias = partial_utf8_tokens(model)
+    if a.restore > 0:
+        return restore_main(model, a, kinds, log, bias)
+    if a.cache_reuse > 0:
+        return reuse_main(model, a, kinds, log, bias)
     print(f"model {model.name}: 4 layers, n_embd 256, Q8_0, GPT-2 vocabulary; n_ctx {a.n_ctx}, -b {a.batch} "
           f"-ub {a.ubatch} -t {a.threads} -fa on -kvu; {a.turns} turns, system ~{a.system} tokens, replies "
           f"{a.reply} tokens; median of {a.runs} runs; servers' output in {log}")
