@@ -409,87 +409,6 @@ def restore_main(model: Path, a: argparse.Namespace, kinds: list[str], log: Path
     return 0
 
 
-# ---------------------------------------------------------------------------------------------- --restore
-
-def restore_post(url: str, path: str, body: dict) -> tuple[dict, float]:
-    """POST ``body`` as JSON; (the answer, seconds it took)."""
-    import json
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.loads(r.read())
-    return out, time.perf_counter() - t0
-
-
-def restore_run(kind: str, model: Path, a: argparse.Namespace, log: Path, bias: dict[str, float]) -> list[dict]:
-    """One server, ``a.runs`` times: a conversation of ``a.restore`` tokens read and saved to a slot file; then the
-    next turn (the conversation and 8 tokens more, one token of reply) computed from scratch after the slot is
-    erased, and the same turn after the slot is restored from the file.  Per run: (seconds) the restore call, the
-    turn's time after it and from scratch; the prompt tokens each computed."""
-    rng = np.random.default_rng(5)
-    conv = [int(t) for t in rng.integers(1000, 30000, a.restore)]
-    turn = conv + [int(t) for t in rng.integers(1000, 30000, 8)]
-    body = {"model": "bench", "max_tokens": 1, "temperature": 0, "logit_bias": bias, "id_slot": 0}
-    port, rows = free_port(), []
-    with tempfile.TemporaryDirectory() as slots, open(log, "ab") as out:
-        extra = ["--slot-save-path", slots] + (["--host-cache-mib", "0"] if kind == "ours" else ["--cache-ram", "0"])
-        cmd = [x for x in server_cmd(kind, model, port, a, 1) if x not in ("--host-cache-mib", "1024")] + extra
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(url, proc)
-            restore_post(url, "/v1/completions", dict(body, prompt=[11, 12, 13]))  # warm-up
-            for _ in range(a.runs):
-                restore_post(url, "/v1/completions", dict(body, prompt=conv))
-                restore_post(url, "/slots/0?action=save", {"filename": "conv.bin"})
-                restore_post(url, "/slots/0?action=erase", {})
-                scratch, t_scratch = restore_post(url, "/v1/completions", dict(body, prompt=turn))
-                restore_post(url, "/slots/0?action=erase", {})
-                restored, t_restore = restore_post(url, "/slots/0?action=restore", {"filename": "conv.bin"})
-                after, t_after = restore_post(url, "/v1/completions", dict(body, prompt=turn))
-                restore_post(url, "/slots/0?action=erase", {})
-                assert restored["n_restored"] == len(conv), restored
-                rows.append({"restore": t_restore, "after": t_after, "scratch": t_scratch,
-                             "computed_after": restore_computed(kind, after),
-                             "computed_scratch": restore_computed(kind, scratch)})
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    return rows
-
-
-def restore_computed(kind: str, answer: dict) -> int:
-    """Prompt tokens a server computed for a completion (llama-server's timings.prompt_n)."""
-    if kind == "llama":
-        return int(answer["timings"]["prompt_n"])
-    u = answer["usage"]
-    return int(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"])
-
-
-def restore_main(model: Path, a: argparse.Namespace, kinds: list[str], log: Path, bias: dict[str, float]) -> int:
-    """``--restore N``: the time to first token of a restored N-token conversation against recomputing it."""
-    print(f"restore: a {a.restore}-token conversation saved to a slot file; its next turn (+8 tokens, 1 token of "
-          f"reply) after erasing the slot (scratch) and after restoring it (restore call + the turn); -np 1, median "
-          f"of {a.runs}")
-    for kind in kinds:
-        cmd = " ".join(server_cmd(kind, model, 0, a, 1)).replace(" --port 0", "")
-        print(f"  {kind:>5}: {cmd.replace(' --host-cache-mib 1024', '')} --slot-save-path DIR "
-              f"{'--host-cache-mib 0' if kind == 'ours' else '--cache-ram 0'}")
-    print(f"{'server':>6} {'restore':>8} {'turn':>8} {'restore+turn':>13} {'scratch':>8} {'computed':>9} "
-          f"{'scratch computed':>17}")
-    for kind in kinds:
-        rows = restore_run(kind, model, a, log, bias)
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        print(f"{kind:>6} {med['restore'] * 1e3:>6.1f}ms {med['after'] * 1e3:>6.1f}ms "
-              f"{(med['restore'] + med['after']) * 1e3:>11.1f}ms {med['scratch'] * 1e3:>6.1f}ms "
-              f"{med['computed_after']:>9.0f} {med['computed_scratch']:>17.0f}", flush=True)
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
@@ -503,9 +422,6 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
     ap.add_argument("--only", choices=("ours", "llama"), default=None)
     ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "kvcache_bench_serve.gguf")
-    ap.add_argument("--restore", type=int, default=0, metavar="N",
-                    help="run the slot-restore scenario instead: TTFT of a restored N-token conversation against "
-                         "recomputing it, both servers")
     ap.add_argument("--restore", type=int, default=0, metavar="N",
                     help="run the slot-restore scenario instead: TTFT of a restored N-token conversation against "
                          "recomputing it, both servers")
@@ -523,8 +439,6 @@ def main() -> int:
         kinds.remove("llama")
     log = Path(tempfile.gettempdir()) / "bench_serve.log"
     bias = partial_utf8_tokens(model)
-    if a.restore > 0:
-        return restore_main(model, a, kinds, log, bias)
     if a.restore > 0:
         return restore_main(model, a, kinds, log, bias)
     if a.cache_reuse > 0:
