@@ -139,6 +139,8 @@ class HParams:
     f_norm_rms_eps: float = 1e-5  # RMS norm epsilon
     no_alloc: bool = False  # create tensors without allocating their data
     arch: str = field(default="llama")  # general.architecture of the model
+    n_ctx_orig_yarn: int = 0  # {arch}.rope.scaling.original_context_length (0: absent, n_ctx_train serves)
+    rope_attn_factor: float = 1.0  # {arch}.rope.scaling.attn_factor: RoPE'd Q and K scaled by it (Phi-3 LongRoPE)
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_layer <= LLAMA_MAX_LAYERS:
@@ -329,6 +331,8 @@ def _gguf_fields(path: str | PathLike) -> dict[str, Any]:
         swa_type=SwaType.STANDARD if n_swa > 0 else SwaType.NONE,
         f_norm_rms_eps=float(kv.get(a + "attention.layer_norm_rms_epsilon", 1e-5)),
         n_rel_attn_bkts=int(kv.get(a + "attention.relative_buckets_count", 0)),
+        n_ctx_orig_yarn=int(kv.get(a + "rope.scaling.original_context_length", 0)),
+        rope_attn_factor=float(kv.get(a + "rope.scaling.attn_factor", 1.0)),
     )
     if n_swa > 0:
         if isinstance(pattern, list):

@@ -71,6 +71,8 @@ REQUIRED: tuple[str, ...] = (
     "ggml_mul_mat_set_prec",
     # ggml.h: ops of the Gemma graph (kvcache_ggml/runtime/gemma.py)
     "ggml_geglu_split", "ggml_tanh",
+    # ggml.h: the fused gate/up SwiGLU of the Phi-3 graph (kvcache_ggml/runtime/phi3.py)
+    "ggml_swiglu",
     "ggml_set_input", "ggml_set_output", "ggml_set_name", "ggml_get_name", "ggml_get_first_tensor",
     "ggml_get_next_tensor", "ggml_get_tensor",
     "ggml_nbytes", "ggml_nelements", "ggml_nrows", "ggml_row_size", "ggml_type_size", "ggml_blck_size",

@@ -7,7 +7,9 @@
 * ``gemma2``, ``gemma3``: :class:`~kvcache_ggml.runtime.gemma.GemmaModel`, a
   :class:`~kvcache_ggml.cache.iswa.KVCacheISWA`, the graph of :mod:`kvcache_ggml.runtime.gemma`;
 * ``qwen2``, ``qwen3``: :class:`~kvcache_ggml.runtime.qwen.QwenModel`, llama's memory and graph (Q/K/V biases,
-  Q/K head norms).
+  Q/K head norms);
+* ``phi3``: :class:`~kvcache_ggml.runtime.phi3.Phi3Model`, one KVCache, the graph of :mod:`kvcache_ggml.runtime.phi3`
+  (fused QKV and gate/up, LongRoPE factors).
 
 The registry names, per architecture, the module whose ``RUNTIME`` (an :class:`ArchRuntime`) serves it, and imports
 that module on first use (as ``python -m kvcache_ggml`` imports a command's module).  The registry imports no model
@@ -40,7 +42,7 @@ class ArchRuntime:
 
 # general.architecture -> the module of this package whose RUNTIME serves it
 _MODULES: dict[str, str] = {"llama": ".model", "gemma2": ".gemma", "gemma3": ".gemma", "qwen2": ".qwen",
-                            "qwen3": ".qwen"}
+                            "qwen3": ".qwen", "phi3": ".phi3"}
 
 
 def supported_archs() -> tuple[str, ...]:

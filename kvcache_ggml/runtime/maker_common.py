@@ -86,9 +86,10 @@ def _checked_spec(cls: type, spec, kwargs: dict):
     return spec
 
 
-def _add_common_keys(writer, gguf, spec, arch: str) -> int:
+def _add_common_keys(writer, gguf, spec, arch: str, add_vocab=None) -> int:
     """The keys every architecture the maker writes has: name, shape, norm epsilon, RoPE base, file type, vocab
-    (``spec``: a ModelSpec or anything with its fields); returns the vocabulary size."""
+    (``spec``: a ModelSpec or anything with its fields; ``add_vocab(writer, gguf, n_vocab)`` writes the vocabulary
+    when no ``vocab_from`` is given, default the minimal SPM one); returns the vocabulary size."""
     writer.add_name(f"kvcache-ggml-tiny-{arch}")
     writer.add_context_length(spec.ctx)
     writer.add_embedding_length(spec.embd)
@@ -101,7 +102,7 @@ def _add_common_keys(writer, gguf, spec, arch: str) -> int:
     writer.add_file_type(_file_type(gguf, spec.type))
     if spec.vocab_from:
         return _copy_tokenizer(writer, gguf, spec.vocab_from)
-    return _add_spm_vocab(writer, gguf, spec.vocab)
+    return (add_vocab or _add_spm_vocab)(writer, gguf, spec.vocab)
 
 
 def _add_spm_vocab(writer, gguf, n_vocab: int) -> int:

@@ -35,7 +35,7 @@ _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn
                   "ffn_down")
 # the op that uses each weight (llama.cpp's LLM_TENSOR_INFOS); None: no op check (plain buffer type)
 _OP_OF = {"token_embd": "GET_ROWS", "attn_norm": "MUL", "ffn_norm": "MUL", "output_norm": "MUL", "rope_freqs": None,
-          "attn_q_norm": "MUL", "attn_k_norm": "MUL"}
+          "attn_q_norm": "MUL", "attn_k_norm": "MUL", "rope_factors_long": None, "rope_factors_short": None}
 # the optional per-layer tensors of llama.cpp's llama loader that the graph uses (the Q/K/V biases)
 _QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 
@@ -89,6 +89,7 @@ class Model:
     ROPE_TYPE = RopeType.NORM                  # the RoPE those architectures use
     ROPE_SCALINGS: tuple[str, ...] = ("none", "linear")  # {arch}.rope.scaling.type values the graph computes
     SLIDING_WINDOW = False                     # llama.cpp reads {arch}.attention.sliding_window for the arch
+    PARTIAL_ROPE = False                       # RoPE may rotate fewer dims than a head has (n_rot < head size)
     NAMES_ATTN_OUT = True                      # the graph names the attention's output "attn_out" (as llama's)
 
     def __new__(cls, path: str | PathLike, **kwargs: Any) -> "Model":
@@ -115,7 +116,7 @@ class Model:
         if hp.rope_type != self.ROPE_TYPE:
             raise ValueError(f"{self.path}: rope type {hp.rope_type.name}, expected {self.ROPE_TYPE.name} for "
                              f"arch {hp.arch}")
-        if hp.n_embd_head_k != hp.n_embd_head_v or hp.n_rot != hp.n_embd_head_k:
+        if hp.n_embd_head_k != hp.n_embd_head_v or (hp.n_rot != hp.n_embd_head_k and not self.PARTIAL_ROPE):
             raise ValueError(f"{self.path}: {hp.arch} needs n_embd_head_k == n_embd_head_v == n_rot, got "
                              f"{hp.n_embd_head_k}, {hp.n_embd_head_v}, {hp.n_rot}")
         self._dev_layer_hook = dev_layer
@@ -149,6 +150,14 @@ class Model:
             raise ValueError(f"{self.path}: the output has {self.n_vocab} rows but the vocabulary {hp.n_vocab} "
                              "tokens")
         hp.n_vocab = self.n_vocab
+
+    def layer_tensors(self) -> tuple[str, ...]:
+        """The per-layer tensors every layer of the architecture has (``blk.{il}.NAME.weight``)."""
+        return _LAYER_TENSORS
+
+    def optional_tensors(self) -> tuple[str, ...]:
+        """Tensors outside the layers loaded when the file has them."""
+        return ("output.weight", "rope_freqs.weight")
 
     def extra_layer_tensors(self) -> tuple[str, ...]:
         """Per-layer tensors beyond llama's that a subclass's architecture loads (``blk.{il}.NAME.weight``)."""
@@ -228,7 +237,8 @@ class Model:
         plain CPU type)."""
         if name.startswith("blk."):
             dev = self.dev_layer(int(name.split(".")[1]))
-        elif name in ("output_norm.weight", "output.weight", "rope_freqs.weight"):
+        elif name in ("output_norm.weight", "output.weight", "rope_freqs.weight", "rope_factors_long.weight",
+                      "rope_factors_short.weight"):
             dev = self.dev_output()
         else:
             dev = self._cpu_dev  # token_embd: the input layer stays on the host, as llama.cpp
@@ -253,13 +263,13 @@ class Model:
         by_name = reader.tensors
         need = ["token_embd.weight", "output_norm.weight"]
         need += [f"blk.{il}.{n}.weight" for il in range(hp.n_layer)
-                 for n in _LAYER_TENSORS + self.extra_layer_tensors()]
+                 for n in self.layer_tensors() + self.extra_layer_tensors()]
         missing = [n for n in need if n not in by_name]
         if missing:
             raise ValueError(f"{self.path}: missing tensors {', '.join(missing[:6])}"
                              f"{' ...' if len(missing) > 6 else ''}")
         optional = [f"blk.{il}.{n}" for il in range(hp.n_layer) for n in self.optional_layer_tensors()]
-        names = need + [n for n in ["output.weight", "rope_freqs.weight"] + optional if n in by_name]
+        names = need + [n for n in list(self.optional_tensors()) + optional if n in by_name]
         unused = [n for n in by_name if n.endswith(".bias") and n not in names]  # e.g. Qwen2's output.bias
         if unused:
             raise ValueError(f"{self.path}: tensor {unused[0]} is not supported for arch {hp.arch}")
@@ -294,12 +304,17 @@ class Model:
         self.output_norm = t["output_norm.weight"]
         self.output = t.get("output.weight", self.tok_embd)
         self.rope_freqs = t.get("rope_freqs.weight")
-        for il in range(hp.n_layer):
+        self._bind_layers()
+        self._check_shapes()
+
+    def _bind_layers(self) -> None:
+        """self.layers from the loaded tensors (one object per layer, what the architecture's graph reads)."""
+        t = self.tensors
+        for il in range(self.hparams.n_layer):
             b = f"blk.{il}."
             w = [t[f"{b}{n}.weight"] for n in _LAYER_TENSORS]
             self.layers.append(LayerWeights(*w, *(t.get(b + n) for n in _QKV_BIASES + (
                 "attn_q_norm.weight", "attn_k_norm.weight"))))
-        self._check_shapes()
 
     def _check_shapes(self) -> None:
         hp = self.hparams
