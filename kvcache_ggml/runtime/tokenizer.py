@@ -240,9 +240,11 @@ class Vocab:
         return raw.decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
-        """End of generation: EOS (or an id llama.cpp would also stop at: the CONTROL ``<|endoftext|>``)."""
+        """End of generation: EOS (or an id llama.cpp would also stop at: the CONTROL ``<|endoftext|>``, Phi-3's
+        ``<|end|>``, Llama 3's ``<|eot_id|>`` / ``<|eom_id|>`` / ``<|end_of_text|>`` ...)."""
         return token == self.eos or (0 <= token < len(self.tokens) and self.tokens[token] in
-                                     ("<|endoftext|>", "<|eot_id|>", "<|im_end|>", "</s>"))
+                                     ("<|endoftext|>", "<|eot_id|>", "<|im_end|>", "</s>", "<|end|>", "<|eom_id|>",
+                                      "<|end_of_text|>"))
 
 
 def _clean_up_spaces(b: bytes) -> bytes:
