@@ -24,6 +24,12 @@ cell whose K/V are what decoding ``tokens[:p+1]`` from scratch leaves.  Reuse is
 
 The last prompt token is always decoded, since its logits are the answer (as llama.cpp's server does).
 
+Two opt-in operations index cells that are *not* a fresh decode's, as llama-server reuses them: chunk reuse
+(``attach(..., n_cache_reuse=N)``, :mod:`.reuse`: runs of the sequence's own cached tokens moved into the new prompt
+by K-shift) and a server's context shift (``context_shift(..., reindex=True)``).  A moved cell sits at its new
+position with its K rotated (no shift pending), but its K/V were computed in its old context; such an entry is
+offered to later requests like any other.  Without them every entry is exact.
+
 How the tree learns of operations
 ---------------------------------
 Eagerly, by wrapping: every operation that changes cells goes through the prefix cache (``attach``/``advance``
