@@ -21,6 +21,8 @@ __all__ = ["main", "parse_args", "open_service"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from .speculative import add_spec_args, check_spec_args
+
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="a llama, gemma2 or gemma3 GGUF with a tokenizer")
@@ -51,6 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body, MiB (default %(default)s)")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the warm-up decode at start (as llama-server's --no-warmup)")
+    add_spec_args(ap)
     a = ap.parse_args(argv)
     for name in ("parallel", "n_ctx", "batch", "ubatch", "threads"):
         if getattr(a, name) < 1:
@@ -61,6 +64,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.parked = a.parallel if a.kv_unified else 0
     if not a.model.is_file():
         ap.error(f"--model {a.model}: no such file")
+    check_spec_args(ap, a)
     if a.slot_save_path is not None and not a.slot_save_path.is_dir():
         ap.error(f"--slot-save-path {a.slot_save_path}: not a directory")
     return a
@@ -76,6 +80,7 @@ def open_service(a: argparse.Namespace):
     from .app import Service
     from .chat import ChatTemplate
     from .engine import Engine, EngineParams
+    from .speculative import close_drafter, open_drafter
 
     model = load_model(a.model)
     try:
@@ -88,15 +93,18 @@ def open_service(a: argparse.Namespace):
     except BaseException:
         model.close()
         raise
+    drafter = None
     try:
+        drafter = open_drafter(a, ctx)
         prefix = PrefixParams(host=HostParams(budget=a.host_cache_mib << 20))
         engine = Engine(ctx, vocab, EngineParams(n_parallel=a.parallel, max_queue=a.max_queue, timeout=a.timeout,
-                                                   warmup=a.warmup),
-                        prefix)
+                                                   warmup=a.warmup, draft_max=a.draft_max, draft_min=a.draft_min),
+                        prefix, drafter)
         svc = Service(engine, vocab, a.alias or a.model.stem, ChatTemplate.from_gguf_kv(model.gguf_kv, vocab),
                       api_key=a.api_key, max_body=int(a.max_body_mib * (1 << 20)), created=int(time.time()),
                       slot_dir=a.slot_save_path, slots_endpoint=a.slots)
     except BaseException:
+        close_drafter(drafter)
         ctx.close()
         model.close()
         raise
@@ -127,6 +135,7 @@ def main(argv: list[str]) -> int:
 
     from .. import ggml as G
     from .app import make_app
+    from .speculative import close_drafter
 
     a = parse_args(argv)
     G.set_log_level(3)
@@ -145,6 +154,7 @@ def main(argv: list[str]) -> int:
         config = uvicorn.Config(make_app(svc), log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
         _Server(config).run(sockets=[sock])
     finally:
+        close_drafter(svc.engine.drafter)
         ctx.close()
         model.close()
     return 0

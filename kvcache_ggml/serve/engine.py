@@ -112,6 +112,7 @@ class EngineStats:
     drafts: int = 0                # drafts verified (speculative decoding)
     draft_tokens: int = 0          # their tokens (llama-server's draft_n)
     draft_accepted: int = 0        # of them, the tokens accepted (llama-server's draft_n_accepted)
+    drafts_dropped: int = 0        # drafts proposed but not verified: the cache had no room for them
     context_shifts: int = 0        # context shifts of decoding requests (``context_shift``)
 
 
@@ -358,6 +359,7 @@ class Engine:
             if self._claim(chunks):
                 break
             if drafts:  # room is short: the drafts go first
+                self.stats.drafts_dropped += len(drafts)
                 drafts = {}
                 continue
             dec = [c for c in chunks if c.job.state is _S.DECODING]
