@@ -128,6 +128,7 @@ class HParams:
     rope_type: RopeType = RopeType.NORM  # RoPE variant; NONE for models without RoPE
     rope_freq_base_train: float = 10000.0  # RoPE base frequency
     rope_freq_scale_train: float = 1.0  # RoPE frequency scale (1 / linear scaling factor)
+    rope_scaling_type_train: int = 1  # {arch}.rope.scaling.type, enum llama_rope_scaling_type (1: linear, 2: yarn)
     n_ctx_train: int = 4096  # context size the model was trained on
     n_swa: int = 0  # sliding window size (0: none)
     swa_type: SwaType = SwaType.NONE  # how the window masks
@@ -293,6 +294,19 @@ def _scalar_or_layers(kv: dict[str, Any], key: str, n_layer: int, default: Any, 
     return v
 
 
+# llama_rope_scaling_type_from_string: {arch}.rope.scaling.type -> enum llama_rope_scaling_type
+_ROPE_SCALING_TYPES = {"none": 0, "linear": 1, "yarn": 2, "longrope": 3}
+
+
+def _rope_scaling_type(kv: dict[str, Any], a: str, path: str) -> int:
+    """The file's RoPE scaling type ("linear" when absent, as llama.cpp's loader); ValueError for one llama.cpp
+    does not know (its loader asserts)."""
+    name = str(kv.get(a + "rope.scaling.type", "linear"))
+    if name not in _ROPE_SCALING_TYPES:
+        raise ValueError(f"{path}: rope scaling type {name!r} is unknown (known: {', '.join(_ROPE_SCALING_TYPES)})")
+    return _ROPE_SCALING_TYPES[name]
+
+
 def _gguf_fields(path: str | PathLike) -> dict[str, Any]:
     """The HParams keyword arguments of a llama-family GGUF model (:meth:`HParams.from_gguf`)."""
     p = str(path)
@@ -326,6 +340,7 @@ def _gguf_fields(path: str | PathLike) -> dict[str, Any]:
                    RopeType.NEOX if arch in _NEOX_ARCHS else RopeType.NORM),
         rope_freq_base_train=float(kv.get(a + "rope.freq_base", 10000.0)),
         rope_freq_scale_train=1.0 if scale == 0.0 else 1.0 / scale,
+        rope_scaling_type_train=_rope_scaling_type(kv, a, p),
         n_ctx_train=int(_require(kv, a + "context_length", p)),
         n_swa=n_swa,
         swa_type=SwaType.STANDARD if n_swa > 0 else SwaType.NONE,

@@ -122,6 +122,28 @@ def test_fork_and_context_shift_match_the_reference(paths, name):
         assert rel_err(got, rc1.decode(toks[26:32])) < TOL
 
 
+def test_yarn_scaled_qwen_matches_the_reference(tmp_path):
+    """A Qwen2.5 with YaRN (factor 4, original context 32: rope.scaling.* keys as Qwen's rope_scaling converts):
+    the context resolves ext_factor 1 and the attention factor as llama.cpp does, the logits of 120 positions and a
+    context shift equal the reference's YaRN rotation -- and are far from plain linear interpolation."""
+    path = make_family_model(tmp_path / "yarn.gguf", "qwen2.5-0.5b", yarn=(4.0, 32), seed=3)
+    toks = tokens(130, 5)
+    ref = Reference(path)
+    with Model(path) as m, ctx_of(m, n_ubatch=128) as ctx:
+        assert m.hparams.rope_freq_scale_train == 0.25 and ref.yarn == (32, 32.0, 1.0)
+        assert (ctx.cparams.yarn_ext_factor, ctx.cparams.n_ctx_orig_yarn) == (1.0, 32)
+        got = ctx.decode(Batch(token=toks[:120], logits=np.ones(120, np.int8)))
+        rc = ref.cache(freq_scale=0.25)
+        assert rel_err(got, rc.decode(toks[:120])) < TOL
+        ctx.context_shift(0, 8, 40)
+        rc.seq_rm(8, 48)
+        rc.seq_add(48, 120, -40)
+        got = ctx.decode(Batch(token=toks[120:130], logits=np.ones(10, np.int8)))
+        assert rel_err(got, rc.decode(toks[120:130])) < TOL
+    ref.yarn = None
+    assert rel_err(got, ref.forward(np.concatenate([toks[:8], toks[48:130]]), freq_scale=0.25)[-10:]) > 100 * TOL
+
+
 def test_llama3_rope_factors_as_the_converter_computes_them():
     """dim 16, base 500000, factor 32, low 1, high 4, original context 8192: wavelengths under 2048 keep factor 1,
     over 8192 take 32, between them the smooth mix."""
@@ -169,8 +191,10 @@ def test_the_loader_checks_rope_scaling_window_and_biases(paths, tmp_path):
     sliding-window key (no SWA layers); a bias the architecture's loader does not take is refused; qwen2's Q is
     square."""
     mistral = paths["mistral-7b"]
-    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported for arch llama"):
-        Model(_rewrite(mistral, tmp_path / "yarn.gguf", {"llama.rope.scaling.type": "yarn"}))
+    with pytest.raises(ValueError, match="rope scaling type 'longrope' is not supported for arch llama"):
+        Model(_rewrite(mistral, tmp_path / "longrope.gguf", {"llama.rope.scaling.type": "longrope"}))
+    with pytest.raises(ValueError, match="rope scaling type 'ntk' is unknown"):
+        Model(_rewrite(mistral, tmp_path / "ntk.gguf", {"llama.rope.scaling.type": "ntk"}))
     with Model(_rewrite(mistral, tmp_path / "swa.gguf", {"llama.attention.sliding_window": 8})) as m:
         assert m.hparams.n_swa == 0 and not m.hparams.is_swa_any()
         with ctx_of(m) as ctx:

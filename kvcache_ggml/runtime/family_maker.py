@@ -5,8 +5,8 @@ Qwen2 / Qwen2.5 (Q/K/V biases) and Qwen3 (Q/K head norms, its own head size) (``
 and a narrow embedding, with the tensor names and keys llama.cpp reads (``{arch}.attention.key_length`` only where
 the head size is not ``n_embd / n_head``).  A Llama 3 spec's ``llama3_rope`` writes ``rope_freqs.weight`` as
 convert_hf_to_gguf.py computes it from the HF ``rope_scaling`` (factor, low/high frequency factors, original
-context).  Vocabulary and storage are the model maker's (:mod:`~kvcache_ggml.runtime.maker_common`); every weight
-comes from a seeded numpy generator.
+context); ``yarn`` writes the YaRN keys of a Qwen ``rope_scaling``.  Vocabulary and storage are the model
+maker's (:mod:`~kvcache_ggml.runtime.maker_common`); every weight comes from a seeded numpy generator.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ class FamilySpec:
     qkv_bias: bool = False         # Q/K/V biases (Qwen2 always has them)
     llama3_rope: tuple[float, float, float, int] | None = None  # (factor, low_freq_factor, high_freq_factor,
     #                                original context) of Llama 3's rope scaling: rope_freqs.weight (llama only)
+    yarn: tuple[float, int] | None = None  # (factor, original context): rope.scaling.type yarn, as Qwen's
+    #                                config.json rope_scaling converts (None: no scaling keys)
 
     def check(self) -> None:
         """ValueError naming the first value out of its range."""
@@ -61,6 +63,8 @@ class FamilySpec:
             raise ValueError("qwen3 has no Q/K/V biases (llama.cpp's loader refuses them)")
         if self.llama3_rope is not None and self.arch != "llama":
             raise ValueError(f"llama3_rope is for arch llama, not {self.arch}")
+        if self.yarn is not None and not (self.yarn[0] > 1 and self.yarn[1] >= 1):
+            raise ValueError(f"yarn needs a factor > 1 and an original context >= 1, got {self.yarn}")
 
     @property
     def dim(self) -> int:
@@ -110,6 +114,10 @@ def _write_keys(writer, gguf, spec: FamilySpec) -> int:
     if spec.dim * spec.heads != spec.embd:
         writer.add_key_length(spec.dim)
         writer.add_value_length(spec.dim)
+    if spec.yarn is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(spec.yarn[0])
+        writer.add_rope_scaling_orig_ctx_len(spec.yarn[1])
     return n_vocab
 
 

@@ -87,7 +87,7 @@ class Model:
 
     ARCHS: tuple[str, ...] = _SUPPORTED_ARCHS   # general.architecture values this class loads
     ROPE_TYPE = RopeType.NORM                  # the RoPE those architectures use
-    ROPE_SCALINGS: tuple[str, ...] = ("none", "linear")  # {arch}.rope.scaling.type values the graph computes
+    ROPE_SCALINGS: tuple[str, ...] = ("none", "linear", "yarn")  # {arch}.rope.scaling.type values it computes
     SLIDING_WINDOW = False                     # llama.cpp reads {arch}.attention.sliding_window for the arch
     PARTIAL_ROPE = False                       # RoPE may rotate fewer dims than a head has (n_rot < head size)
     NAMES_ATTN_OUT = True                      # the graph names the attention's output "attn_out" (as llama's)
@@ -169,15 +169,14 @@ class Model:
         return _QKV_BIASES
 
     def _check_rope_and_window(self, kv: dict[str, Any]) -> None:
-        """As llama.cpp's loader: a RoPE scaling type the graph does not compute is a ValueError ("none" keeps the
-        training frequencies unscaled); an architecture whose loader ignores the sliding window has none."""
+        """As llama.cpp's loader: a RoPE scaling type the graph does not compute is a ValueError (the context's
+        parameters apply the others: CParams.from_hparams); an architecture whose loader ignores the sliding window
+        has none."""
         hp = self.hparams
         scaling = str(kv.get(f"{hp.arch}.rope.scaling.type", "linear"))
         if scaling not in self.ROPE_SCALINGS:
             raise ValueError(f"{self.path}: rope scaling type {scaling!r} is not supported for arch {hp.arch} "
                              f"(supported: {', '.join(self.ROPE_SCALINGS)})")
-        if scaling == "none":
-            hp.rope_freq_scale_train = 1.0
         if not self.SLIDING_WINDOW and hp.n_swa:
             hp.n_swa, hp.swa_type, hp.swa_layers = 0, SwaType.NONE, (False,) * hp.n_layer
 

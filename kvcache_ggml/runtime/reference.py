@@ -9,6 +9,7 @@ shifted cache equals a re-encoding at the new positions only for a one-layer mod
 """
 from __future__ import annotations
 
+import math
 from os import PathLike
 from typing import Sequence
 
@@ -20,9 +21,12 @@ __all__ = ["Reference", "ReferenceCache", "rope_norm"]
 
 
 def rope_norm(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq_scale: float = 1.0,
-              factors: np.ndarray | None = None, neox: bool = False) -> np.ndarray:
+              factors: np.ndarray | None = None, neox: bool = False,
+              yarn: tuple[int, float, float] | None = None) -> np.ndarray:
     """RoPE, llama's NORM mode: dims (2i, 2i+1) of each head rotated by pos*scale*base^(-2i/n_rot)/factor_i
-    (``neox``: NEOX mode, dims (i, i + n_rot/2), as Qwen's).
+    (``neox``: NEOX mode, dims (i, i + n_rot/2), as Qwen's).  ``yarn`` = (original context, beta_fast,
+    beta_slow): YaRN, the dims between the two correction dims ramping from the scaled angle to the unscaled one,
+    every rotation multiplied by 1 + 0.1 ln(1/scale) (what llama.cpp's attention factor and ggml's rope give).
 
     x: [n_tokens, n_head, head_dim] (ggml ne [head_dim, n_head, n_tokens]); pos: [n_tokens].
     """
@@ -32,7 +36,18 @@ def rope_norm(x: np.ndarray, pos: np.ndarray, n_rot: int, freq_base: float, freq
     if factors is not None:
         inv = inv / np.asarray(factors, np.float64)
     theta = freq_scale * pos.astype(np.float64)[:, None] * inv[None, :]  # [n_tokens, n_rot/2]
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    mscale = 1.0
+    if yarn is not None:
+        n_orig, beta_fast, beta_slow = yarn
+
+        def corr_dim(n_turns: float) -> float:   # the dim whose wavelength fits n_turns times in n_orig
+            return n_rot * math.log(n_orig / (n_turns * 2 * math.pi)) / (2 * math.log(freq_base))
+
+        low, high = max(0.0, math.floor(corr_dim(beta_fast))), min(n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
+        ramp = 1 - np.clip((i / 2 - low) / max(0.001, high - low), 0, 1)   # 1: unscaled angle, 0: scaled one
+        theta = theta * (1 - ramp) + (theta / freq_scale) * ramp
+        mscale = 1.0 + 0.1 * math.log(1.0 / freq_scale) if freq_scale < 1 else 1.0
+    cos, sin = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]
     first, second = (slice(0, n_rot // 2), slice(n_rot // 2, n_rot)) if neox else (slice(0, n_rot, 2),
                                                                                     slice(1, n_rot, 2))
     x0, x1 = x[..., first], x[..., second]
@@ -65,6 +80,11 @@ class Reference:
         self.tok_embd = w["token_embd.weight"]                 # [n_vocab, n_embd]
         self.output = w.get("output.weight", self.tok_embd)    # [n_vocab, n_embd]
         self.rope_freqs = w.get("rope_freqs.weight")           # [n_rot/2] or None
+        # YaRN's (original context, beta_fast, beta_slow) when the file's scaling type is yarn (llama.cpp's
+        # defaults for the llama, Qwen and Gemma loaders), else None; the scale is the caller's freq_scale
+        a = hp.arch + "."
+        self.yarn = ((int(f.kv.get(a + "rope.scaling.original_context_length", hp.n_ctx_train)), 32.0, 1.0)
+                     if f.kv.get(a + "rope.scaling.type") == "yarn" else None)
         self.n_vocab = self.output.shape[0]
         self.eps = float(hp.f_norm_rms_eps)
 
@@ -124,7 +144,7 @@ class ReferenceCache:
     def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         hp = self.ref.hparams
         return rope_norm(x, pos, hp.n_rot, self.freq_base, self.freq_scale, self.ref.rope_freqs,
-                         hp.rope_type == RopeType.NEOX)
+                         hp.rope_type == RopeType.NEOX, self.ref.yarn)
 
     def seq_rm(self, p0: int = -1, p1: int = -1) -> None:
         """Forget the cached tokens at positions [p0, p1) (negative: open end)."""
@@ -134,15 +154,19 @@ class ReferenceCache:
         self.v = [v[keep] for v in self.v]
 
     def seq_add(self, p0: int, p1: int, delta: int) -> None:
-        """Move the cached tokens at positions [p0, p1) by delta, rotating their K; those moved below 0 go."""
+        """Move the cached tokens at positions [p0, p1) by delta, rotating their K; those moved below 0 go.
+
+        As llama.cpp's K-shift, the rotation runs over every cached K, by 0 where a token did not move: with YaRN
+        that scales each K by the rotation's magnitude factor once more (one seq_add here is one K-shift there,
+        i.e. a decode or memory update comes between two)."""
         sel = _in_range(self.pos, p0, p1)
         if not sel.any() or delta == 0:
             return
         self.pos = self.pos.copy()
         self.pos[sel] += delta
-        shift = np.full(int(sel.sum()), delta, np.int64)
-        for k in self.k:
-            k[sel] = self._rope(k[sel], shift)
+        shift = np.where(sel, delta, 0)
+        for il, k in enumerate(self.k):
+            self.k[il] = self._rope(k, shift)
         gone = self.pos < 0
         if gone.any():
             self.pos = self.pos[~gone]
@@ -161,10 +185,11 @@ class ReferenceCache:
             return
         self.pos = self.pos.copy()
         new = self.pos[sel] // d
-        shift = self.pos[sel] - new
+        shift = np.zeros_like(self.pos)          # every K rotated, by 0 where unmoved (as seq_add)
+        shift[sel] = self.pos[sel] - new
         self.pos[sel] = new
-        for k in self.k:
-            k[sel] = self._rope(k[sel], shift)
+        for il, k in enumerate(self.k):
+            self.k[il] = self._rope(k, shift)
 
     def decode(self, tokens: Sequence[int] | np.ndarray, pos: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """Append the tokens (positions default to after the cached ones); float64 [n_tokens, n_vocab] logits.

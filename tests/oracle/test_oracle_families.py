@@ -155,3 +155,17 @@ def test_decode_graph_is_llama_cpps_node_by_node(models, name, fa):
         assert len(g) == len(w)
         for i, (a, b) in enumerate(zip(g, w)):
             assert a == b, f"node {i}: ours {a}, llama.cpp {b}"
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["nofa", "fa"])
+def test_yarn_scaled_qwen_bit_exact(tmp_path, fa):
+    """A Qwen2.5 with YaRN (factor 4, original context 32): 120 positions, a context shift (llama.cpp's K-shift
+    rotates every cell, scaling the unmoved ones by YaRN's magnitude factor again -- ours does the same), the
+    scenario above, state blobs: bit for bit."""
+    path = make_family_model(tmp_path / "yarn.gguf", "qwen2.5-0.5b", yarn=(4.0, 32), seed=3)
+    toks = rng_tokens(130, 5)
+    shift = [dec(toks[:120], range(120), 0), {"op": "seq_rm", "args": [0, 8, 48]},
+             {"op": "seq_add", "args": [0, 48, 120, -40]}, dec(toks[120:130], range(80, 90), 0)]
+    p = params(fa)
+    for ops in (shift, _scenario()):
+        compare(ours_of(path, p, ops), theirs_of(path, p, ops))
