@@ -25,11 +25,13 @@ __all__ = ["main"]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
+    from .runtime.arch import supported_archs
     from .serve.speculative import add_spec_args, check_spec_args
 
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="a llama, gemma2 or gemma3 GGUF with a tokenizer")
+    ap.add_argument("--model", type=Path, required=True,
+                    help=f"a GGUF with a tokenizer ({', '.join(supported_archs())})")
     ap.add_argument("--prompt", required=True, help="the text to continue")
     ap.add_argument("--n-predict", type=int, default=64,
                     help="most tokens generated per sequence (default %(default)s)")
