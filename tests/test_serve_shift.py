@@ -110,6 +110,38 @@ def test_generation_goes_on_past_the_context(model, path, n_keep, n_discard):
         assert np.array_equal(e.tokens, held) and check(eng.prefix) == []
 
 
+def test_a_shift_moving_cells_shared_with_a_parked_sequence(model, path):
+    """Unified cache, through the prefix cache: the shifted sequence's prompt prefix is a parked sequence's cells
+    (seq_cp); the shift moves some of them for both, so the index cuts the parked one at n_keep, and keeps the
+    shifted one (reindex) as holding its tokens less the discarded ones; its next logits are the float64 cache's."""
+    from kvcache_ggml.prefix import PrefixCache
+
+    rng = np.random.default_rng(9)
+    system = rng.integers(3, VOCAB, 60)
+    first = np.concatenate([system, rng.integers(3, VOCAB, 5)]).astype(np.int32)
+    prompt = np.concatenate([system, rng.integers(3, VOCAB, 10)]).astype(np.int32)
+    with Context(model, n_ctx=256, n_batch=256, n_ubatch=256, n_seq_max=2, kv_unified=True, type_k="f32",
+                 type_v="f32", n_threads=2, n_threads_batch=2) as ctx:
+        pc = PrefixCache(ctx)
+        for s, p in ((0, first), (1, prompt)):
+            adm = pc.attach(p, s)
+            pc.advance([(s, p[adm.n_reused:], False)])
+        assert adm.n_reused == 60 and adm.source == "device"
+        pc.release(0)
+        pc.context_shift(1, 4, 30, reindex=True)         # drops [4, 34), moves [34, 70): shared cells among them
+        assert pc.seqs[0].tokens.size == 4 and not pc.seqs[0].clean
+        kept = np.concatenate([prompt[:4], prompt[34:]])
+        assert np.array_equal(pc.seqs[1].tokens, kept) and pc.seqs[1].clean and check(pc) == []
+        (row,) = pc.advance([(1, [7], True)])
+        rc = Reference(path).cache()
+        rc.decode(prompt)
+        rc.seq_rm(4, 34)
+        rc.seq_add(34, 70, -30)
+        want = rc.decode([7])[-1]
+        assert float(np.abs(row - want).max()) < TOL * np.abs(want).max()
+        assert np.array_equal(pc.seqs[1].tokens, np.append(kept, 7)) and check(pc) == []
+
+
 def test_without_context_shift_the_request_ends_at_the_context(model):
     vocab = Vocab.from_kv(model.gguf_kv)
     prompt = np.arange(3, 33, dtype=np.int32)
