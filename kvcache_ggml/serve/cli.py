@@ -21,11 +21,13 @@ __all__ = ["main", "parse_args", "open_service"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from ..runtime.arch import supported_archs
     from .speculative import add_spec_args, check_spec_args
 
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="a llama, gemma2 or gemma3 GGUF with a tokenizer")
+    ap.add_argument("--model", type=Path, required=True,
+                    help=f"a GGUF with a tokenizer ({', '.join(supported_archs())})")
     ap.add_argument("--alias", default="", help="the model name clients ask for (default: the file's stem)")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     ap.add_argument("--port", type=int, default=8080, help="port (default %(default)s; 0: any free port)")
