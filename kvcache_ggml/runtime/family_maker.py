@@ -44,6 +44,7 @@ class FamilySpec:
     rms_eps: float = 1e-5          # {arch}.attention.layer_norm_rms_epsilon
     tied: bool = False             # no output.weight: the head is token_embd
     qkv_bias: bool = False         # Q/K/V biases (Qwen2 always has them)
+    chat_template: str = ""        # tokenizer.chat_template ("" = none; runtime.chat_templates has the published)
     llama3_rope: tuple[float, float, float, int] | None = None  # (factor, low_freq_factor, high_freq_factor,
     #                                original context) of Llama 3's rope scaling: rope_freqs.weight (llama only)
     yarn: tuple[float, int] | None = None  # (factor, original context): rope.scaling.type yarn, as Qwen's
@@ -110,6 +111,8 @@ def llama3_rope_factors(dim: int, base: float, factor: float, low: float, high: 
 
 def _write_keys(writer, gguf, spec: FamilySpec) -> int:
     n_vocab = _add_common_keys(writer, gguf, spec, spec.arch)
+    if spec.chat_template:
+        writer.add_chat_template(spec.chat_template)
     writer.add_rope_dimension_count(spec.dim)
     if spec.dim * spec.heads != spec.embd:
         writer.add_key_length(spec.dim)

@@ -79,6 +79,7 @@ class Vocab:
     add_bos: bool = False         # tokenize(add_special=True) starts with BOS
     add_eos: bool = False         # tokenize(add_special=True) ends with EOS
     add_space_prefix: bool = True  # SPM: a space before the text and after each special token
+    rstrip: frozenset[int] = frozenset()  # special ids that eat the whitespace after them (Phi-3's, RSTRIP)
     _tk: Any = field(default=None, repr=False)               # the tokenizers.Tokenizer
     _pieces: list[bytes] = field(default_factory=list, repr=False)  # bytes of each id's text
     _special: list[tuple[str, int, bool]] = field(default_factory=list, repr=False)  # (text, id, control/unk)
@@ -114,6 +115,13 @@ class Vocab:
                 add_space_prefix=is_spm and bool(get("add_space_prefix", True)))
         if v.pre in ("llama-bpe", "llama3", "llama-v3") and "tokenizer.ggml.add_bos_token" not in kv:
             v.add_bos = True  # llama.cpp's default for these pre-tokenizers
+        name = str(kv.get("general.name", "")).lower()
+        if "phi-3" in name or "phi3" in name:
+            # llama.cpp's per-model token attributes: Phi-3's special tokens (and </s>) strip the whitespace that
+            # follows them, except <unk>, <s> and <|endoftext|>
+            special = (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)
+            v.rstrip = frozenset(i for i, t in enumerate(tokens) if (v.types[i] in special or t == "</s>")
+                                 and t not in ("<unk>", "<s>", "<|endoftext|>"))
         v.build_tokenizer()
         return v
 
@@ -193,6 +201,8 @@ class Vocab:
                 for j, p in enumerate(parts):
                     if j:
                         out.append(s_id)
+                        if s_id in self.rstrip:
+                            p = p.lstrip(" \t\n\v\f\r")  # C isspace, as tokenizer_st_partition strips
                     if p:
                         out.append(p)
             frags = out

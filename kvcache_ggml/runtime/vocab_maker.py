@@ -1,0 +1,80 @@
+"""A byte-level BPE vocabulary relabelled as another model's: what the tests use in place of Qwen2's and Llama 3's
+vocabularies, which are not downloaded.
+
+:func:`relabel_vocab` copies a GGUF vocabulary (say llama.cpp's ``ggml-vocab-gpt-2.gguf``: its pieces and merges),
+sets ``tokenizer.ggml.pre`` to the pre-tokenizer named (``qwen2``: one digit per piece, ``llama-bpe``: up to three,
+their letter/punctuation/newline rules) and appends the target model's special tokens as CONTROL tokens, with its
+BOS/EOS and ``add_bos_token`` as the published GGUF has them (:data:`SPECIALS`).  llama.cpp loads the result
+(``vocab_only``), so the same text can be tokenized by both and the ids compared; the model makers copy it into a
+random model with ``vocab_from``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+
+__all__ = ["VocabLabel", "SPECIALS", "relabel_vocab"]
+
+
+@dataclass(frozen=True, slots=True)
+class VocabLabel:
+    """What a published vocabulary adds on top of the pieces and merges."""
+
+    pre: str                       # tokenizer.ggml.pre
+    special: tuple[str, ...]       # CONTROL tokens (appended unless the source already has that text)
+    bos: str                       # text of the BOS token
+    eos: str                       # text of the EOS token
+    add_bos: bool                  # tokenizer.ggml.add_bos_token
+
+
+# pre-tokenizer name -> the published vocabulary's special tokens (Qwen2.5-Instruct, Llama 3.2 Instruct)
+SPECIALS: dict[str, VocabLabel] = {
+    "qwen2": VocabLabel("qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|endoftext|>", "<|im_end|>",
+                        False),
+    "llama-bpe": VocabLabel("llama-bpe", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                          "<|end_header_id|>", "<|eot_id|>"), "<|begin_of_text|>", "<|eot_id|>",
+                            True),
+}
+_REPLACED = ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+             "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token",
+             "tokenizer.ggml.add_eos_token", "tokenizer.ggml.padding_token_id", "tokenizer.chat_template")
+
+
+def relabel_vocab(src: str | PathLike, dst: str | PathLike, pre: str) -> Path:
+    """Write a copy of the byte-level BPE vocabulary ``src`` as ``pre``'s (a key of :data:`SPECIALS`) to ``dst``."""
+    import gguf
+
+    if pre not in SPECIALS:
+        raise ValueError(f"pre-tokenizer {pre!r} is not one of {', '.join(SPECIALS)}")
+    label = SPECIALS[pre]
+    r = gguf.GGUFReader(str(src))
+    if str(r.fields["tokenizer.ggml.model"].contents()) != "gpt2":
+        raise ValueError(f"{src}: not a byte-level BPE vocabulary (tokenizer.ggml.model != 'gpt2')")
+    tokens = list(r.fields["tokenizer.ggml.tokens"].contents())
+    types = list(r.fields["tokenizer.ggml.token_type"].contents())
+    for text in label.special:
+        if text not in tokens:
+            tokens.append(text)
+            types.append(int(gguf.TokenType.CONTROL))
+        else:
+            types[tokens.index(text)] = int(gguf.TokenType.CONTROL)
+    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    try:
+        for key, field in r.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture" or key in _REPLACED:
+                continue
+            w.add_key_value(key, field.contents(), field.types[0],
+                            sub_type=field.types[1] if len(field.types) > 1 else None)
+        w.add_tokenizer_pre(label.pre)
+        w.add_token_list(tokens)
+        w.add_token_types(types)
+        w.add_bos_token_id(tokens.index(label.bos))
+        w.add_eos_token_id(tokens.index(label.eos))
+        w.add_add_bos_token(label.add_bos)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+    return Path(dst)
