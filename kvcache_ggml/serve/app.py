@@ -411,6 +411,7 @@ def metrics_text(eng: Engine) -> str:
         ("prompt_tokens_computed_total", "counter", "prompt tokens decoded", st.computed_tokens),
         ("generated_tokens_total", "counter", "tokens generated", st.generated_tokens),
         ("steps_total", "counter", "batches decoded", st.steps),
+        ("context_shifts_total", "counter", "context shifts of requests reaching the context", st.context_shifts),
         ("drafts_total", "counter", "drafts verified (speculative decoding)", st.drafts),
         ("draft_n_total", "counter", "draft tokens verified (llama-server's draft_n)", st.draft_tokens),
         ("draft_n_accepted_total", "counter", "draft tokens accepted (llama-server's draft_n_accepted)",
