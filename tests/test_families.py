@@ -130,7 +130,8 @@ def test_yarn_scaled_qwen_matches_the_reference(tmp_path):
     toks = tokens(130, 5)
     ref = Reference(path)
     with Model(path) as m, ctx_of(m, n_ubatch=128) as ctx:
-        assert m.hparams.rope_freq_scale_train == 0.25 and ref.yarn == (32, 32.0, 1.0)
+        assert (m.hparams.rope_scaling_type_train, m.hparams.rope_freq_scale_train) == (2, 0.25)
+        assert ref.yarn == (32, 32.0, 1.0)
         assert (ctx.cparams.yarn_ext_factor, ctx.cparams.n_ctx_orig_yarn) == (1.0, 32)
         got = ctx.decode(Batch(token=toks[:120], logits=np.ones(120, np.int8)))
         rc = ref.cache(freq_scale=0.25)
