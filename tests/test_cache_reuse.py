@@ -144,6 +144,50 @@ def test_one_layer_reuse_equals_a_fresh_decode(paths, unified):
         assert check(pc) == [] and np.array_equal(pc.seqs[0].tokens, q)
 
 
+def test_random_edits_reuse_what_the_server_reuses(paths):
+    """40 random prompt pairs over a few distinct tokens (runs reappear often, near misses too), one layer: the
+    tokens reused are the server loop's (all but the last at most), the cells sit where its seq_rm/seq_add put
+    them, the audit holds, and the logits equal a fresh decode of the new prompt."""
+    rng = np.random.default_rng(7)
+    ref = Reference(paths[1])
+    n_moved = 0
+    with Model(paths[1]) as m, ctx_of(m, n_seq=1) as ctx:
+        for trial in range(40):
+            pc = PrefixCache(ctx)
+            p = rng.integers(3, 8, int(rng.integers(8, 40))).astype(np.int32)
+            q = p.copy()
+            for _ in range(int(rng.integers(1, 4))):   # cuts and small insertions
+                a = int(rng.integers(0, q.size))
+                q = edited(rng, q, int(rng.integers(0, 2)), a, int(rng.integers(0, 6)))
+            if q.size == 0:
+                continue
+            q = np.where(q >= 8, 3 + q % 5, q).astype(np.int32)   # (inserted tokens from the few too)
+            n_min = int(rng.integers(1, 5))
+            n_past, moves, cells = server_walk(p, q, n_min)
+            run_prompt(pc, p, 0, 0)
+            adm, row = run_prompt(pc, q, 0, n_min)
+            n = min(n_past, q.size - 1)
+            own = common_len(p, q, q.size - 1)
+            assert adm.n_reused == (n if moves and n > own else own), (p, q, n_min)
+            if moves and n > own:
+                n_moved += 1
+                t = cells_table(ctx.kv)
+                t = t[t["pos"] >= 0]
+                got = {int(c): int(pp) for c, pp in zip(t["cell"], t["pos"])}
+                assert {o: x for o, x in got.items() if x < n} == {o: x for o, x in cells.items() if x < n}
+            assert check(pc) == []
+            assert rel_err(row, ref.forward(q)[-1]) < TOL
+            pc.clear()
+    assert n_moved >= 10
+
+
+def common_len(a, b, limit):
+    n = 0
+    while n < min(a.size, b.size, limit) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def test_two_layers_equal_a_cache_replaying_the_shifts(paths):
     """Two layers: the moved K/V carry their old context, as in a float64 cache replaying seq_rm/seq_add; the
     next request extends the shifted sequence (indexed as holding the new prompt)."""
