@@ -56,7 +56,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the warm-up decode at start (as llama-server's --no-warmup)")
     add_spec_args(ap)
+    ap.add_argument("--cache-reuse", type=int, default=0, metavar="N",
+                    help="reuse chunks of >= N tokens of a cached prompt by K-shift (default 0: off; per request "
+                         "n_cache_reuse)")
+    ap.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False,
+                    help="a request reaching the context drops n_discard tokens after n_keep and goes on (default: "
+                         "off, it ends with finish_reason length)")
     a = ap.parse_args(argv)
+    if a.cache_reuse < 0:
+        ap.error(f"--cache-reuse must be >= 0 (0: off), got {a.cache_reuse}")
     for name in ("parallel", "n_ctx", "batch", "ubatch", "threads"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -100,7 +108,9 @@ def open_service(a: argparse.Namespace):
         drafter = open_drafter(a, ctx)
         prefix = PrefixParams(host=HostParams(budget=a.host_cache_mib << 20))
         engine = Engine(ctx, vocab, EngineParams(n_parallel=a.parallel, max_queue=a.max_queue, timeout=a.timeout,
-                                                   warmup=a.warmup, draft_max=a.draft_max, draft_min=a.draft_min),
+                                                   warmup=a.warmup, cache_reuse=a.cache_reuse,
+                                                   context_shift=a.context_shift, draft_max=a.draft_max,
+                                                   draft_min=a.draft_min),
                         prefix, drafter)
         svc = Service(engine, vocab, a.alias or a.model.stem, ChatTemplate.from_gguf_kv(model.gguf_kv, vocab),
                       api_key=a.api_key, max_body=int(a.max_body_mib * (1 << 20)), created=int(time.time()),
