@@ -18,7 +18,9 @@ are closer than twice that row's largest difference (a near tie: "ambiguous").  
 F32, Q8_0, Q4_0 and Q4_K weights (:func:`~kvcache_ggml.runtime.modelmaker.make_model`), a Gemma 3 with sliding-
 window layers (an iSWA cache; :func:`~kvcache_ggml.runtime.gemma_maker.make_gemma_model`) and one Qwen2.5, Qwen3,
 Llama 3.2 (rope factors) and Mistral each (:mod:`~kvcache_ggml.runtime.family_maker`'s presets with heads of 64),
-loaded through their architecture's model class.
+and a Phi-4-mini (:mod:`~kvcache_ggml.runtime.phi3_maker`: fused QKV and gate/up, 48 of 64 dims rotated, LongRoPE
+factors: the short ones in per-sequence streams, the long ones unified), loaded through their architecture's model
+class.
 
 ``python -m kvcache_ggml step-times --backends cpu,cuda``: a Q8_0 llama decoding one token per sequence for 1 and
 8 sequences; per step our host time (batch splits, cache bookkeeping, memory updates, input setting, graph build)
@@ -52,6 +54,7 @@ from ..runtime.family_maker import PRESETS, FamilySpec, make_family_model
 from ..runtime.gemma_maker import GemmaSpec, make_gemma_model
 from ..runtime.model import Model
 from ..runtime.modelmaker import ModelSpec, make_model
+from ..runtime.phi3_maker import PHI3_PRESETS, Phi3Spec, make_phi3_model
 from ._config import make_target
 
 __all__ = ["RunConfig", "CONFIGS", "MODELS", "QUICK_MODELS", "TIMING_MODEL", "ParityRow", "Lockstep", "StepRow",
@@ -63,7 +66,7 @@ __all__ = ["RunConfig", "CONFIGS", "MODELS", "QUICK_MODELS", "TIMING_MODEL", "Pa
 # and a Gemma 3 whose even layers slide over a window of 16 (an iSWA cache; the context shift needs swa_full, the
 # runtime's default)
 _LLAMA_Q = dict(layers=4, embd=512, heads=8, heads_kv=2, ff=1024, vocab=512)
-MODELS: dict[str, ModelSpec | GemmaSpec | FamilySpec] = {
+MODELS: dict[str, ModelSpec | GemmaSpec | FamilySpec | Phi3Spec] = {
     "tiny f32": ModelSpec(layers=4, embd=128, heads=8, heads_kv=4, ff=256, vocab=256, seed=0),
     "llama q8_0": ModelSpec(**_LLAMA_Q, seed=1, type="q8_0"),
     "llama q4_0": ModelSpec(**_LLAMA_Q, seed=2, type="q4_0"),
@@ -78,6 +81,9 @@ MODELS: dict[str, ModelSpec | GemmaSpec | FamilySpec] = {
                             type="f16"),
     "mistral q8_0": replace(PRESETS["mistral-7b"], layers=4, embd=512, head_dim=64, ff=1024, vocab=256, seed=9,
                             type="q8_0"),
+    # phi3 (runtime.phi3_maker) with heads of 64: fused matrices, partial RoPE, LongRoPE factors
+    "phi4-mini q8_0": replace(PHI3_PRESETS["phi4-mini"], layers=4, embd=384, heads=6, heads_kv=2, ff=768, vocab=256,
+                              seed=10, type="q8_0"),
 }
 QUICK_MODELS = ("tiny f32", "llama q8_0")  # the default suite's RPC run: the CPU's own code, every logit equal
 # the model of the timing table: small enough to make in seconds, attention shapes of a real llama (head 64, GQA 4)
@@ -150,6 +156,8 @@ def write_model(folder: Path, key: str) -> Path:
     path = folder / f"{key.replace(' ', '-')}.gguf"
     if isinstance(spec, FamilySpec):
         return make_family_model(path, spec)
+    if isinstance(spec, Phi3Spec):
+        return make_phi3_model(path, spec)
     return make_gemma_model(path, spec) if isinstance(spec, GemmaSpec) else make_model(path, spec)
 
 

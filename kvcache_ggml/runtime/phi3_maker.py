@@ -60,6 +60,11 @@ class Phi3Spec:
             raise ValueError(f"orig_ctx must be in [0, ctx={self.ctx}], got {self.orig_ctx}")
 
     @property
+    def head_dim(self) -> int:
+        """The size of a head (embd / heads)."""
+        return self.embd // self.heads
+
+    @property
     def n_rot(self) -> int:
         """Rotated dims of a head, as the converter computes them."""
         return int(self.rot_pct * self.embd) // self.heads
