@@ -73,8 +73,11 @@ class LiveServer:
         assert self.used_cells() == 0
 
     def close(self) -> None:
+        from kvcache_ggml.serve.speculative import close_drafter
+
         self.server.should_exit = True
         self.thread.join(30)
+        close_drafter(self.engine.drafter)
         self.ctx.close()
         self.model.close()
 
