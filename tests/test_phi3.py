@@ -209,3 +209,18 @@ def test_generate_runs_phi3(paths, capsys):
     assert generate_main(["--model", str(path), "--prompt", prompt, "--n-predict", "5", "--threads", "1",
                           "--n-ctx", "512"]) == 0
     assert capsys.readouterr().out == prompt + vocab.detokenize(ids[-5:]) + "\n"
+
+
+def test_make_model_writes_a_phi3_preset(tmp_path, capsys):
+    """make-model --preset phi4-mini --type q8_0: the preset's shape with Q8_0 matrices; an unknown preset is an
+    error listing both makers' presets."""
+    from kvcache_ggml import ggml as G
+    from kvcache_ggml.runtime.modelmaker import main as make_model_main
+    out = tmp_path / "p4.gguf"
+    assert make_model_main([str(out), "--preset", "phi4-mini", "--type", "q8_0", "--seed", "1"]) == 0
+    with Model(out) as m:
+        assert type(m) is Phi3Model and (m.hparams.n_rot, m.hparams.n_embd_head_k, m.hparams.n_head(0)) == (24, 32, 6)
+        assert G.ttype(m.layers[0].wqkv) == G.GGMLType.Q8_0 and m.output is m.tok_embd
+    with pytest.raises(SystemExit):
+        make_model_main([str(out), "--preset", "phi2"])
+    assert "phi3-mini-4k, phi3.5-mini, phi4-mini" in capsys.readouterr().err

@@ -11,7 +11,8 @@ Nothing is downloaded: every weight comes from a seeded numpy generator, or, for
 given (``weights=`` / ``--weights NPZ``: GGUF tensor names -> numpy [rows, cols], each checked against the spec;
 ``scripts/train_tiny_llama.py`` writes such a file).  ``--arch gemma2|gemma3`` writes a Gemma model instead
 (:mod:`~kvcache_ggml.runtime.gemma_maker`, the same storage and vocabulary options); ``--preset NAME`` a scaled-down
-Qwen2.5, Qwen3, Llama 3.2 or Mistral (:mod:`~kvcache_ggml.runtime.family_maker`).
+Qwen2.5, Qwen3, Llama 3.2 or Mistral (:mod:`~kvcache_ggml.runtime.family_maker`) or Phi-3 / Phi-3.5 / Phi-4-mini
+(:mod:`~kvcache_ggml.runtime.phi3_maker`).
 """
 from __future__ import annotations
 
@@ -170,8 +171,8 @@ def main(argv: list[str]) -> int:
                     help="architecture (default %(default)s); gemma: head size embd/heads, every other layer slides")
     ap.add_argument("--n-swa", type=int, default=16, help="gemma: sliding window (default %(default)s)")
     ap.add_argument("--preset", help="a scaled-down published model of runtime.family_maker.PRESETS (qwen2.5-0.5b, "
-                    "qwen3-0.6b, llama3.2-1b, mistral-7b); of the options only --seed, --type, --embd-type, "
-                    "--vocab-from apply")
+                    "qwen3-0.6b, llama3.2-1b, mistral-7b) or runtime.phi3_maker.PHI3_PRESETS (phi3-mini-4k, "
+                    "phi3.5-mini, phi4-mini); of the options only --seed, --type, --embd-type, --vocab-from apply")
     a = ap.parse_args(argv)
     if a.preset:
         return _main_preset(ap, a)
@@ -203,11 +204,15 @@ def main(argv: list[str]) -> int:
 
 
 def _main_preset(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
-    """make-model --preset NAME: family_maker's preset with the storage, seed and vocabulary options applied."""
-    from .family_maker import make_family_model
+    """make-model --preset NAME: family_maker's or phi3_maker's preset with the storage, seed and vocabulary options
+    applied."""
+    from .family_maker import PRESETS, make_family_model
+    from .phi3_maker import PHI3_PRESETS, make_phi3_model
+    if a.preset not in PRESETS and a.preset not in PHI3_PRESETS:
+        ap.error(f"preset {a.preset!r} is not one of {', '.join(list(PRESETS) + list(PHI3_PRESETS))}")
+    make = make_phi3_model if a.preset in PHI3_PRESETS else make_family_model
     try:
-        out = make_family_model(a.out, a.preset, seed=a.seed, type=a.type, embd_type=a.embd_type or "",
-                                vocab_from=a.vocab_from)
+        out = make(a.out, a.preset, seed=a.seed, type=a.type, embd_type=a.embd_type or "", vocab_from=a.vocab_from)
     except ValueError as e:
         ap.error(str(e))
     print(out)
