@@ -155,6 +155,10 @@ def test_saved_conversation_restores_into_another_slot_and_is_reused(models, tmp
         j2, out2 = run(eng, vocab, full, 5, id_slot=3)
         assert j2.n_cached == held.size and eng.stats.computed_tokens == p.size + ext.size
         assert out2 == alone(model, full, 5)
+        erase_slot(eng, 3)
+        restore_slot(eng, 2, path, "conv.bin")  # again, and a request naming no slot finds it by its tokens
+        j3, out3 = run(eng, vocab, full, 5)
+        assert j3.n_cached == held.size and out3 == out2
         check(eng.prefix)
 
 
