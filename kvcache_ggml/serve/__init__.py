@@ -10,7 +10,8 @@ Layers, each its own module, from the wire in:
   claimed), ``execute`` (one batch of every running request's next token and chunks of waiting prompts) and
   ``update`` (sampling, text, events); other threads send it messages and read its published snapshot;
   :mod:`.request` -- a request, its states (checked transitions) and its events; :mod:`.results` -- typed logprobs
-  and usage;
+  and usage; :mod:`.slots` -- llama-server's slot actions (a sequence saved to a file, restored, erased), run on
+  the engine's thread;
 * :mod:`.protocol` (requests parsed and validated once into typed objects; responses and errors in OpenAI's
   shapes), :mod:`.chat` (chat templates rendered as transformers renders them, in jinja2's sandbox),
   :mod:`.sampling` (llama.cpp's sampler chain on numpy logits) and :mod:`.text` (streamed text, UTF-8 safe, stop
