@@ -258,3 +258,24 @@ def test_serve_answers_with_the_reference_tokens(tmp_path):
     for _ in range(5):
         ids.append(int(np.argmax(ref.forward(ids)[-1])))
     assert r.choices[0].text == vocab.detokenize(ids[-5:])
+
+
+def test_rope_factors_are_loaded_once_per_layer_device(tmp_path):
+    """As llama.cpp's TENSOR_DUPLICATED rope_freqs: layers 0-1 on the CPU and 2-3 with the output on an RPC server
+    (n_gpu_layers = n_layer/2 + 1 places them so) read a copy on their own device, so no RoPE op moves to another
+    device for its factors; the logits are the CPU-only model's, bit for bit."""
+    from kvcache_ggml.parity.runtime_check import placed_model
+    path = make_family_model(tmp_path / "l3.gguf", "llama3.2-1b", layers=4, seed=6)
+    toks = tokens(12, 7)
+    with Model(path) as m, ctx_of(m) as ctx:
+        want = ctx.decode(Batch(token=toks, logits=np.ones(12, np.int8)))
+        assert [m.get_rope_factors(None, il) for il in range(4)] == [m.rope_freqs] * 4
+    with placed_model(path, "rpc", 1, split="half") as m:
+        bt = m.buffer_types()
+        assert bt["rope_freqs.weight"] == "CPU" and bt["rope_freqs.weight@2"].startswith("RPC")
+        assert len([n for n in bt if n.startswith("rope_freqs")]) == 2
+        assert m.get_rope_factors(None, 0) is m.get_rope_factors(None, 1) is m.rope_freqs
+        assert m.get_rope_factors(None, 2) is m.get_rope_factors(None, 3) is m.tensors["rope_freqs.weight@2"]
+        with ctx_of(m) as ctx:
+            got = ctx.decode(Batch(token=toks, logits=np.ones(12, np.int8)))
+    assert np.array_equal(got, want)

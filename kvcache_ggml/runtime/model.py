@@ -36,6 +36,7 @@ _LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn
 # the op that uses each weight (llama.cpp's LLM_TENSOR_INFOS); None: no op check (plain buffer type)
 _OP_OF = {"token_embd": "GET_ROWS", "attn_norm": "MUL", "ffn_norm": "MUL", "output_norm": "MUL", "rope_freqs": None,
           "attn_q_norm": "MUL", "attn_k_norm": "MUL", "rope_factors_long": None, "rope_factors_short": None}
+_DUP_SEP = "@"   # NAME@il: the copy of a layer-duplicated tensor for the device whose first layer is il
 # the optional per-layer tensors of llama.cpp's llama loader that the graph uses (the Q/K/V biases)
 _QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 
@@ -132,6 +133,8 @@ class Model:
         self.output_norm: Any = None             # F32 [n_embd]
         self.output: Any = None                  # [n_embd, n_vocab] (token_embd when tied)
         self.rope_freqs: Any = None              # F32 [n_rot/2] frequency factors, or None
+        self._layer_copies: dict[str, list[Any]] = {}  # duplicated tensor -> its copy for each layer
+        self._copy_suffix: list[str] = []        # per layer: "" (layer 0's device) or "@il" of its device's copy
 
         reader = GGUFFile(self.path)
         self._check_rope_and_window(reader.kv)
@@ -199,9 +202,20 @@ class Model:
         return layer_rope_freq(self.hparams, cparams, il)[1]
 
     def get_rope_factors(self, cparams: Any, il: int) -> Any:
-        """The ``rope_freqs`` tensor (llama 3 frequency factors) or None."""
-        del cparams, il
-        return self.rope_freqs
+        """The ``rope_freqs`` tensor (llama 3 frequency factors) on layer il's device, or None."""
+        del cparams
+        return self.layer_copy("rope_freqs.weight", il)
+
+    def layer_duplicated_tensors(self) -> tuple[str, ...]:
+        """Tensors outside the blocks that every layer's graph reads, loaded once per device holding layers (as
+        llama.cpp creates them per layer, TENSOR_DUPLICATED, in the layer's buffer type): a layer's op then never
+        reads another device's weight (which would move the op there)."""
+        return ("rope_freqs.weight",)
+
+    def layer_copy(self, name: str, il: int) -> Any:
+        """The copy of duplicated tensor ``name`` on layer il's device (None when the file lacks the tensor)."""
+        copies = self._layer_copies.get(name)
+        return None if copies is None else copies[il]
 
     def buffers(self) -> list[G.BackendBuffer]:
         """The backend buffers holding the weights, one per buffer type used."""
@@ -236,8 +250,9 @@ class Model:
         plain CPU type)."""
         if name.startswith("blk."):
             dev = self.dev_layer(int(name.split(".")[1]))
-        elif name in ("output_norm.weight", "output.weight", "rope_freqs.weight", "rope_factors_long.weight",
-                      "rope_factors_short.weight"):
+        elif _DUP_SEP in name or name in self.layer_duplicated_tensors():  # a layer's copy (layer 0's: no suffix)
+            dev = self.dev_layer(int(name.split(_DUP_SEP)[1]) if _DUP_SEP in name else 0)
+        elif name in ("output_norm.weight", "output.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
             dev = self.dev_output()
         else:
             dev = self._cpu_dev  # token_embd: the input layer stays on the host, as llama.cpp
@@ -245,7 +260,7 @@ class Model:
         if G.ggml_backend_dev_type(dev) != G.DeviceType.CPU:
             cands.insert(0, (dev, G.ggml_backend_dev_buffer_type(dev)))
         # a bias is always added (llama.cpp's create_tensor: suffix "bias" -> GGML_OP_ADD)
-        op = "ADD" if name.endswith(".bias") else _OP_OF.get(name.split(".")[-2], "MUL_MAT")
+        op = "ADD" if name.endswith(".bias") else _OP_OF.get(name.split(_DUP_SEP)[0].split(".")[-2], "MUL_MAT")
         if op is None:
             return cands[0][1] if len(cands) > len(self._cpu_bufts) else cands[-1][1]
         for d, buft in cands:
@@ -272,10 +287,11 @@ class Model:
         unused = [n for n in by_name if n.endswith(".bias") and n not in names]  # e.g. Qwen2's output.bias
         if unused:
             raise ValueError(f"{self.path}: tensor {unused[0]} is not supported for arch {hp.arch}")
+        names += self._plan_layer_copies([n for n in self.layer_duplicated_tensors() if n in names])
 
         plan: dict[int, _Placement] = {}
         for name in names:
-            rt = by_name[name]
+            rt = by_name[name.split(_DUP_SEP)[0]]
             wtype = _checked_type(self.path, name, rt)
             buft = self._buft_of(name, wtype, rt.ne)
             plan.setdefault(buft, _Placement(buft, [])).names.append(name)
@@ -283,8 +299,9 @@ class Model:
         for pl in self._placements:
             pl.ctx = G.Context.for_tensors(len(pl.names))
             for name in pl.names:
-                rt = by_name[name]
-                self.tensors[name] = pl.ctx.new_tensor(rt.type, rt.ne, name)  # GGUF stores dims in ne order
+                rt = by_name[name.split(_DUP_SEP)[0]]
+                # GGUF stores dims in ne order; a layer's copy has the tensor's name, as llama.cpp's
+                self.tensors[name] = pl.ctx.new_tensor(rt.type, rt.ne, name.split(_DUP_SEP)[0])
             # a repacking buffer type rearranges the data in ggml_backend_tensor_set
             pl.buf = G.BackendBuffer.for_context(pl.ctx, pl.buft)
             # as llama.cpp's load_tensors: the scheduler keeps each op that uses a weight on the weight's backend
@@ -293,7 +310,7 @@ class Model:
             pl.buf.usage = G.BufferUsage.WEIGHTS
             for name in pl.names:
                 t = self.tensors[name]
-                _upload(t, reader.data(name, G.nbytes(t)), name)
+                _upload(t, reader.data(name.split(_DUP_SEP)[0], G.nbytes(t)), name)
             # the weights in huge pages: llama.cpp maps the file, whose page cache the kernel may hold in large
             # folios; our copies are anonymous memory, in 4 KiB pages unless advised (docs/performance.md)
             pl.buf.advise_huge_pages()
@@ -303,8 +320,20 @@ class Model:
         self.output_norm = t["output_norm.weight"]
         self.output = t.get("output.weight", self.tok_embd)
         self.rope_freqs = t.get("rope_freqs.weight")
+        self._layer_copies = {n: [t[n + self._copy_suffix[il]] for il in range(hp.n_layer)]
+                              for n in self.layer_duplicated_tensors() if n in t}
         self._bind_layers()
         self._check_shapes()
+
+    def _plan_layer_copies(self, names: list[str]) -> list[str]:
+        """The extra copies of the duplicated tensors ``names``: one per device holding layers beyond layer 0's,
+        named NAME@il after the first layer il on that device (self._copy_suffix: each layer's suffix)."""
+        first: dict[int, int] = {}                       # device -> its first layer
+        self._copy_suffix = []
+        for il in range(self.hparams.n_layer):
+            il0 = first.setdefault(self.dev_layer(il), il)
+            self._copy_suffix.append("" if il0 == 0 else f"{_DUP_SEP}{il0}")
+        return [n + sfx for n in names for sfx in dict.fromkeys(self._copy_suffix) if sfx]
 
     def _bind_layers(self) -> None:
         """self.layers from the loaded tensors (one object per layer, what the architecture's graph reads)."""
@@ -357,6 +386,7 @@ class Model:
         self.tensors = {}
         self.layers = []
         self.tok_embd = self.output = self.output_norm = self.rope_freqs = None
+        self._layer_copies = {}
 
     @property
     def closed(self) -> bool:
