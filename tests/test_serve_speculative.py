@@ -26,6 +26,7 @@ from kvcache_ggml.serve.engine import Engine, EngineParams
 from kvcache_ggml.serve.protocol import SamplingParams
 from kvcache_ggml.serve.request import Job
 from kvcache_ggml.serve.sampling import Sampler
+from kvcache_ggml.serve.slots import slots_info
 from kvcache_ggml.serve.speculative import ModelDrafter, NgramDrafter, check_vocab_compatible
 from kvcache_ggml.serve.text import TextStream
 
@@ -308,6 +309,7 @@ def test_bad_drafters_and_draft_limits_are_refused_and_change_nothing(models, pa
                             ("draft_n_accepted_total", st.draft_accepted)):
             assert f"\nkvcache_{name} {value}\n" in text
         assert st.drafts > 0
+        assert [x["speculative"] for x in slots_info(eng)] == [True] * 4   # (llama-server's GET /slots field)
 
 
 # ---------------------------------------------------------------------------------------------- generate

@@ -170,7 +170,7 @@ def slots_info(eng: Any) -> list[dict[str, Any]]:
     out = []
     for s in range(pc.n_seq):
         e = pc.seqs.get(s)
-        out.append({"id": s, "n_ctx": eng.n_ctx_seq, "speculative": False,
+        out.append({"id": s, "n_ctx": eng.n_ctx_seq, "speculative": eng.drafter is not None,
                     "is_processing": bool(e is not None and e.active),
                     "n_tokens": int(e.tokens.size) if e is not None else 0,
                     "parked": bool(e is not None and not e.active)})
