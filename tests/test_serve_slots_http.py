@@ -158,3 +158,30 @@ def test_gemma3_served_with_prefix_cache_slots_and_metrics(tmp_path):
         assert used[0] > 0 and int(metrics["kvcache_prompt_tokens_cached_total"]) >= n
     finally:
         srv.close()
+
+
+def test_an_action_on_a_busy_slot_waits_for_its_request(llama):
+    """A save sent while the slot's request is generating answers once the request is done: it holds the whole
+    reply (all its tokens but the last), not the part generated when the save arrived."""
+    import json
+    import threading
+    import urllib.request
+
+    llama.drop_parked()
+    body = {"model": "tiny", "prompt": list(range(500, 530)), "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "id_slot": 0}
+    req = urllib.request.Request(llama.url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    saved, usage = {}, {}
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        first = stream.readline()
+        assert first.startswith(b"data: ")
+        t = threading.Thread(target=lambda: saved.update(slot(llama, 0, "save", "busy.bin").json()))
+        t.start()
+        for line in stream:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                u = json.loads(line[6:])["usage"]
+                usage.update(u or {})
+        t.join(60)
+    assert usage["completion_tokens"] == 200
+    assert saved["n_saved"] == 30 + 199 == read_state_file(llama.slot_dir / "busy.bin").tokens.size
