@@ -169,3 +169,37 @@ def test_yarn_scaled_qwen_bit_exact(tmp_path, fa):
     p = params(fa)
     for ops in (shift, _scenario()):
         compare(ours_of(path, p, ops), theirs_of(path, p, ops))
+
+
+@pytest.mark.parametrize("name,vocab_name", [("llama3.2-1b", "llama-bpe"), ("qwen2.5-0.5b", "qwen2"),
+                                             ("qwen3-0.6b", "qwen2"), ("mistral-7b", "llama-spm")])
+def test_greedy_text_with_the_real_vocabulary(tmp_path, name, vocab_name):
+    """Each preset with its published model's kind of vocabulary (Llama 3's tiktoken-style BPE, Qwen's BPE,
+    Mistral's SentencePiece; llama.cpp's vocabulary test files, Q8_0 embeddings): a tokenized prompt, 12 greedy
+    steps -- the same tokens, bit-identical logits and llama.cpp's detokenized text."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from kvcache_ggml.runtime import Vocab
+    from llama_runner import ORACLE_DIR
+    vocab_path = ORACLE_DIR / "src" / "llama_cpp_python-0.3.17" / "vendor" / "llama.cpp" / "models" / \
+        f"ggml-vocab-{vocab_name}.gguf"
+    if not vocab_path.exists():
+        pytest.skip(f"{vocab_path} missing")
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("check_tiny_llama", root / "scripts" / "check_tiny_llama.py")
+    chk = importlib.util.module_from_spec(spec)
+    sys.modules["check_tiny_llama"] = chk
+    try:
+        spec.loader.exec_module(chk)
+    finally:
+        del sys.modules["check_tiny_llama"]
+    path = make_family_model(tmp_path / f"{name}.gguf", name, seed=4, vocab_from=str(vocab_path), embd_type="q8_0")
+    vocab = Vocab.from_gguf(path)
+    prompt = vocab.tokenize("The llama's 3 friends, it's said, ate 1,234 apples.", add_special=True)
+    ours, our_rows = chk.ours_greedy(path, prompt, 12, True, vocab)
+    theirs, text, their_rows = chk.llama_greedy(path, prompt, 12, True, vocab.n_tokens)
+    assert ours == theirs and len(ours) == 12, (len(ours), ours)
+    assert text == vocab.detokenize(ours)
+    np.testing.assert_array_equal(our_rows, their_rows)
