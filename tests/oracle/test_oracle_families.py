@@ -4,7 +4,8 @@ The models are :mod:`kvcache_ggml.runtime.family_maker`'s scaled-down presets, s
 attention on and off: a scenario of prompts, steps, several sequences in one batch, a fork, a context shift and
 state round trips (llama.cpp's blob into ours and ours into llama.cpp) compared op by op -- logits bit for bit,
 return codes, state blobs byte for byte; greedy generation (the same tokens, the same logits at every step); and
-the decode graph node by node (op, name, type, shapes).
+the decode graph node by node (op, name, type, shapes).  Also a YaRN-scaled Qwen2.5 (K-shift included) and each preset
+with its published kind of vocabulary (greedy tokens and llama.cpp's text).
 """
 from __future__ import annotations
 
