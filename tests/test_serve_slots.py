@@ -240,3 +240,45 @@ def test_bad_files_are_refused_and_change_nothing(models, tmp_path):
         eng.prefix.release(1)
         assert blobs(ctx)[0] == before[0] and blobs(ctx)[2:] == before[2:]
         check(eng.prefix)
+
+
+def test_gemma_iswa_files_checked_whole_before_a_restore(models, tmp_path):
+    """On Gemma 3's iSWA cache the file holds the base cache's state, then the SWA cache's: a file cut in either
+    part, or a llama's file, is refused with every sequence unchanged; the whole file restores both parts."""
+    from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
+    path = make_gemma_model(tmp_path / "g3.gguf", GemmaSpec(arch="gemma3", layers=2, embd=64, heads=2, heads_kv=1,
+                                                           head_dim=32, n_swa=8, vocab=VOCAB, seed=3))
+    with load_model(path) as model:
+        vocab = Vocab.from_kv(model.gguf_kv)
+        with Context(model, params()) as ctx:
+            eng = Engine(ctx, vocab, EngineParams(n_parallel=2))
+            run(eng, vocab, prompt(30, 11), 3, id_slot=0)
+            run(eng, vocab, prompt(20, 12), 3, id_slot=1)
+            good = tmp_path / "g.bin"
+            save_slot(eng, 0, good, "g.bin")
+            data = good.read_bytes()
+            base = parse_state_end(data)
+            assert base < len(data)  # the SWA cache's state follows the base cache's
+            llama = tmp_path / "llama.bin"
+            with Context(models["main"], params()) as c:
+                c.decode(Batch(token=prompt(12, 9)))
+                c.state_seq_save_file(llama, 0, prompt(12, 9))
+            before, index = blobs(ctx), entries(eng.prefix)
+            for name, bad, why in (("cut-base", data[:base - 3], "truncated"), ("cut-swa", data[:-3], "truncated"),
+                                   ("llama", llama.read_bytes(), "n_layer")):
+                f = tmp_path / f"{name}.bin"
+                f.write_bytes(bad)
+                with pytest.raises(ValueError, match=why):
+                    restore_slot(eng, 1, f, f.name)
+                assert blobs(ctx) == before and entries(eng.prefix) == index, name
+            toks = eng.prefix.seqs[0].tokens.tolist()
+            erase_slot(eng, 0)
+            assert ctx.memory_seq_pos_max(0) == -1
+            restore_slot(eng, 0, good, "g.bin")
+            assert blobs(ctx) == before and eng.prefix.seqs[0].tokens.tolist() == toks
+
+
+def parse_state_end(data):
+    """Where the first (the base cache's) state of a sequence state file ends."""
+    from kvcache_ggml.cache.state import parse_state
+    return parse_state(data).offset + parse_state(data).nbytes

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from kvcache_ggml.cache.state.cli import main_inspect
 from kvcache_ggml.cache import KVCache
 from kvcache_ggml.hparams import HParams
-from kvcache_ggml.cache.state import load_seq_file, parse_state, save_seq_file
+from kvcache_ggml.cache.state import BytesReader, load_seq_file, parse_state, save_seq_file
 
 from helpers import ToyModel
 from state_helpers import (assert_consistent, assert_same, decode, golden_cache, make, pattern, randomize_data, raw,
@@ -223,23 +223,8 @@ mutation = st.one_of(
 def test_fuzz_restore_is_clean(cfg, seq, dest, muts):
     """Mutated, cut or extended states: a clean ValueError or a restore, never a change to other sequences."""
     blobs = fuzz_blobs(cfg)
-    b = bytearray(blobs[seq])
-    for kind, a, v in muts:
-        if kind == "flip" and b:
-            b[a % len(b)] ^= v
-        elif kind == "field" and b:
-            offs = [o for o in blobs["offsets"][seq] if o + 4 <= len(b)]
-            if offs:
-                struct.pack_into("<I", b, offs[a % len(offs)], v)
-        elif kind == "cut":
-            del b[a % (len(b) + 1):]
-        elif kind == "append":
-            b += bytes(range(a))
-    dst = make(cfg, kv_size=24, n_seq_max=3)
-    randomize_data(dst, np.random.default_rng(98))
-    decode(dst, [0, 1, 2, 3], [1, 1, 1, 1])
-    decode(dst, [0, 1], [dest, dest])
-    decode(dst, [4, 5], [1, 1])
+    b = mutated(blobs, seq, muts)
+    dst = fuzz_dest(cfg, dest)
     target = -1 if seq == -1 else dest
     before = {q: snapshot_seq(dst, q) for q in range(3)}
     try:
@@ -257,6 +242,74 @@ def test_fuzz_restore_is_clean(cfg, seq, dest, muts):
             if q != target:
                 assert_same(before[q], snapshot_seq(dst, q))
     assert_consistent(dst)
+
+
+def checked(kv, data, seq):
+    """``state_check`` of a whole blob (bytes after the state refused as ``state_load`` refuses them)."""
+    io = BytesReader(data)
+    n = kv.state_check(io, seq)
+    if io.remaining():
+        raise ValueError(f"state is {io.tell()} bytes followed by {io.remaining()} trailing bytes, expected none")
+    return n
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=st.sampled_from(FUZZ_CONFIGS), seq=st.sampled_from([-1, 0, 1]), dest=st.sampled_from([0, 2]),
+       muts=st.lists(mutation, min_size=0, max_size=3))
+def test_fuzz_state_check_refuses_what_a_restore_refuses(cfg, seq, dest, muts):
+    """``state_check`` (what a server runs before it touches the cache) changes nothing, and refuses a blob exactly
+    when the restore does, with the same message -- but for a restore that finds no room, which only placing the
+    cells can tell; when both accept, it counts the cells the restore places."""
+    b = bytes(mutated(fuzz_blobs(cfg), seq, muts))
+    dst = fuzz_dest(cfg, dest)
+    target = -1 if seq == -1 else dest
+    before = {q: snapshot_seq(dst, q) for q in range(3)}
+    try:
+        n, why_check = checked(dst, b, target), None
+    except ValueError as e:
+        why_check = str(e)
+    for q in range(3):
+        assert_same(before[q], snapshot_seq(dst, q))
+    try:
+        dst.state_load(b, target)
+        why_load = None
+    except ValueError as e:
+        why_load = str(e)
+    if why_check is not None:
+        assert why_load == why_check
+    elif why_load is not None:
+        assert "no room" in why_load, why_load
+    else:
+        placed = dst.get_used() if target == -1 else sum(len(pos) for _, pos, _ in snapshot_seq(dst, target))
+        assert n == placed
+    assert_consistent(dst)
+
+
+def mutated(blobs, seq, muts):
+    """The state ``blobs[seq]`` with the fuzz test's mutations applied."""
+    b = bytearray(blobs[seq])
+    for kind, a, v in muts:
+        if kind == "flip" and b:
+            b[a % len(b)] ^= v
+        elif kind == "field" and b:
+            offs = [o for o in blobs["offsets"][seq] if o + 4 <= len(b)]
+            if offs:
+                struct.pack_into("<I", b, offs[a % len(offs)], v)
+        elif kind == "cut":
+            del b[a % (len(b) + 1):]
+        elif kind == "append":
+            b += bytes(range(a))
+    return b
+
+
+def fuzz_dest(cfg, dest):
+    """The cache the fuzz tests restore into: sequence 1 and ``dest`` hold cells."""
+    dst = make(cfg, kv_size=24, n_seq_max=3)
+    randomize_data(dst, np.random.default_rng(98))
+    decode(dst, [0, 1, 2, 3], [1, 1, 1, 1])
+    decode(dst, [0, 1], [dest, dest])
+    decode(dst, [4, 5], [1, 1])
+    return dst
 
 
 # ============================================================================================ files and the CLI
