@@ -279,3 +279,17 @@ def test_rope_factors_are_loaded_once_per_layer_device(tmp_path):
         with ctx_of(m) as ctx:
             got = ctx.decode(Batch(token=toks, logits=np.ones(12, np.int8)))
     assert np.array_equal(got, want)
+
+
+def test_llama_takes_optional_qkv_biases(tmp_path):
+    """llama.cpp's llama loader takes Q/K/V biases when the file has them (and llm_build_llama adds them): a
+    Mistral-shaped llama with biases matches the reference, which without them is far off."""
+    path = make_family_model(tmp_path / "lb.gguf", "mistral-7b", qkv_bias=True, seed=8)
+    toks = tokens(24, 9)
+    with Model(path) as m, ctx_of(m) as ctx:
+        assert type(m) is Model and m.layers[0].bv is not None
+        got = ctx.decode(Batch(token=toks, logits=np.ones(24, np.int8)))
+    ref = Reference(path)
+    assert rel_err(got, ref.forward(toks)) < TOL
+    _without_feature(ref, "llama-with-biases")
+    assert rel_err(got, ref.forward(toks)) > 100 * TOL

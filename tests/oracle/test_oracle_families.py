@@ -204,3 +204,11 @@ def test_greedy_text_with_the_real_vocabulary(tmp_path, name, vocab_name):
     assert ours == theirs and len(ours) == 12, (len(ours), ours)
     assert text == vocab.detokenize(ours)
     np.testing.assert_array_equal(our_rows, their_rows)
+
+
+@pytest.mark.parametrize("fa", [False, True], ids=["nofa", "fa"])
+def test_llama_with_qkv_biases_bit_exact(tmp_path, fa):
+    """A llama GGUF with the optional Q/K/V biases llama.cpp's llama loader takes: the scenario bit for bit."""
+    path = make_family_model(tmp_path / "lb.gguf", "mistral-7b", qkv_bias=True, seed=8)
+    ops, p = _scenario(), params(fa)
+    compare(ours_of(path, p, ops), theirs_of(path, p, ops))
