@@ -211,6 +211,8 @@ def test_the_loader_checks_rope_scaling_window_and_biases(paths, tmp_path):
         Model(_rewrite(paths["qwen2.5-0.5b"], tmp_path / "outb.gguf", {}, {"output.bias": np.zeros(64, np.float32)}))
     with pytest.raises(ValueError, match="heads \\* head_dim == embd"):
         make_family_model(tmp_path / "bad.gguf", FamilySpec(arch="qwen2", embd=64, heads=4, head_dim=32))
+    with pytest.raises(ValueError, match="preset 'qwen9' is not one of qwen2.5-0.5b, qwen3-0.6b"):
+        make_family_model(tmp_path / "bad.gguf", "qwen9")
 
 
 def test_generate_runs_a_qwen3_model_with_a_byte_level_vocabulary(tmp_path, capsys):
