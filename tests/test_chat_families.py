@@ -37,9 +37,8 @@ EXPECTED = {
 KWARGS = {"llama3.2-1b": {"date_string": "26 Jul 2024"}}   # (the template's default is today's date)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("chat_families")
+def make_models(d: Path) -> dict[str, Path]:
+    """The three chat models, written into folder d (tests/oracle/test_oracle_chat_families.py uses them too)."""
     qwen = relabel_vocab(GPT2, d / "qwen2-vocab.gguf", "qwen2")
     llama = relabel_vocab(GPT2, d / "llama-bpe-vocab.gguf", "llama-bpe")
     return {
@@ -49,6 +48,11 @@ def models(tmp_path_factory):
                                          chat_template=LLAMA3_2, seed=2),
         "phi3.5-mini": make_phi3_model(d / "phi.gguf", "phi3.5-mini", chat_template=PHI3_5, seed=3),
     }
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("chat_families"))
 
 
 def test_the_pre_tokenizers_split_as_their_models_do(models):

@@ -2,8 +2,8 @@
 float64 numpy forward pass.
 
 Each model is :mod:`kvcache_ggml.runtime.phi3_maker`'s scaled-down preset (fused QKV and gate/up, LongRoPE factors
-and attention factor, 3/4 of each head rotated for Phi-4-mini), F32 weights and cache, two layers, a 64-token
-vocabulary.  The logits of a prompt, decode steps, a fork and a context shift agree with
+and attention factor, 3/4 of each head rotated for Phi-4-mini), F32 weights and cache, two layers, a 320-token
+vocabulary shaped as Phi-3's.  The logits of a prompt, decode steps, a fork and a context shift agree with
 :class:`~kvcache_ggml.runtime.phi3_reference.Phi3Reference` to TOL; each Phi-3 part is checked to matter (the
 reference without it is far off).  llama.cpp comparisons: tests/oracle/test_oracle_phi3.py.
 """
@@ -25,7 +25,7 @@ from kvcache_ggml.runtime.phi3_maker import (PHI3_PRESETS, PHI3_SPECIAL, longrop
 from kvcache_ggml.runtime.phi3_reference import Phi3Reference
 
 TOL = 2e-5
-VOCAB = 64
+VOCAB = PHI3_PRESETS["phi3-mini-4k"].vocab   # 320: 3 special, 256 byte pieces, 50 pieces, 11 added tokens
 NAMES = list(PHI3_PRESETS)
 
 
@@ -199,7 +199,7 @@ def test_generate_runs_phi3(paths, capsys):
     vocab = Vocab.from_gguf(path)
     ref = Phi3Reference(path, 512)
     for seed in range(20):
-        prompt = "".join(f"t{i}" for i in np.random.default_rng(seed).integers(0, 40, 6))
+        prompt = "Hello " + "".join(f"t{i}" for i in np.random.default_rng(seed).integers(0, 40, 6))
         ids = vocab.tokenize(prompt)
         for _ in range(5):
             ids.append(int(np.argmax(ref.forward(ids)[-1])))

@@ -82,8 +82,8 @@ MODELS: dict[str, ModelSpec | GemmaSpec | FamilySpec | Phi3Spec] = {
     "mistral q8_0": replace(PRESETS["mistral-7b"], layers=4, embd=512, head_dim=64, ff=1024, vocab=256, seed=9,
                             type="q8_0"),
     # phi3 (runtime.phi3_maker) with heads of 64: fused matrices, partial RoPE, LongRoPE factors
-    "phi4-mini q8_0": replace(PHI3_PRESETS["phi4-mini"], layers=4, embd=384, heads=6, heads_kv=2, ff=768, vocab=256,
-                              seed=10, type="q8_0"),
+    "phi4-mini q8_0": replace(PHI3_PRESETS["phi4-mini"], layers=4, embd=384, heads=6, heads_kv=2, ff=768, seed=10,
+                              type="q8_0"),
 }
 QUICK_MODELS = ("tiny f32", "llama q8_0")  # the default suite's RPC run: the CPU's own code, every logit equal
 # the model of the timing table: small enough to make in seconds, attention shapes of a real llama (head 64, GQA 4)

@@ -9,9 +9,9 @@ absent; llama.cpp switches it off either way); with LongRoPE, ``phi3.rope.scalin
 ``rope_factors_long`` / ``rope_factors_short`` [n_rot/2] tensors.  :data:`PHI3_PRESETS` scales the published small
 models down (their head ratios, partial rotation, tied head, window key; context and original context divided by
 16, so that a test's n_ctx of 512 already takes the long factors).  Vocabulary and storage are the model maker's
-(:mod:`~kvcache_ggml.runtime.maker_common`), the minimal SPM vocabulary with Phi-3's added tokens at its end
-(``<|endoftext|>`` the EOS, ``<|user|>``, ``<|assistant|>``, ``<|end|>`` ...); every weight comes from a seeded
-numpy generator.
+(:mod:`~kvcache_ggml.runtime.maker_common`), a small SPM vocabulary shaped as Phi-3's (byte pieces, then plain
+pieces, then Phi-3's added tokens: ``<|endoftext|>`` the EOS, ``<|user|>``, ``<|assistant|>``, ``<|end|>`` ...);
+every weight comes from a seeded numpy generator.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class Phi3Spec:
     heads_kv: int = 4              # key/value heads
     ff: int = 256                  # feed-forward width (ffn_up holds 2*ff rows)
     rot_pct: float = 1.0           # partial_rotary_factor: n_rot = int(rot_pct * embd) // heads
-    vocab: int = 64                # vocabulary size, >= 15 (14 special tokens and a piece)
+    vocab: int = 320               # vocabulary size, >= 271 (3 special, 256 byte, 11 added tokens, a piece)
     seed: int = 0                  # numpy seed of the weights
     ctx: int = 4096                # phi3.context_length (max_position_embeddings)
     orig_ctx: int = 0              # original_max_position_embeddings with LongRoPE; 0 = no rope scaling
@@ -103,20 +103,22 @@ PHI3_SPECIAL = ("<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeho
 
 
 def _add_phi3_vocab(writer, gguf, n_vocab: int) -> int:
-    """A minimal SPM vocabulary shaped as Phi-3's: <unk>, <s>, </s>, pieces t0, t1, ..., then Phi-3's added tokens
-    (llama.cpp's loader looks them up for a model named phi3); EOS is <|endoftext|>."""
-    n_pieces = n_vocab - 3 - len(PHI3_SPECIAL)
+    """A small SPM vocabulary shaped as Phi-3's: <unk>, <s>, </s>, the 256 byte pieces <0x00> .. <0xFF> (any text
+    tokenizes, as llama.cpp's byte fallback needs), pieces t0, t1, ... (scores falling with the index), then Phi-3's
+    added tokens (llama.cpp's loader looks them up for a model named phi3); EOS is <|endoftext|>."""
+    n_pieces = n_vocab - 3 - 256 - len(PHI3_SPECIAL)
     if n_pieces < 1:
-        raise ValueError(f"a phi3 vocabulary needs >= {4 + len(PHI3_SPECIAL)} tokens, got {n_vocab}")
+        raise ValueError(f"a phi3 vocabulary needs >= {260 + len(PHI3_SPECIAL)} tokens, got {n_vocab}")
     T = gguf.TokenType
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(n_pieces)] + list(PHI3_SPECIAL))
-    writer.add_token_scores([0.0] * n_vocab)
-    writer.add_token_types([T.UNKNOWN, T.CONTROL, T.USER_DEFINED] + [T.NORMAL] * n_pieces
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+                          + [f"t{i}" for i in range(n_pieces)] + list(PHI3_SPECIAL))
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(n_pieces)] + [0.0] * len(PHI3_SPECIAL))
+    writer.add_token_types([T.UNKNOWN, T.CONTROL, T.USER_DEFINED] + [T.BYTE] * 256 + [T.NORMAL] * n_pieces
                            + [T.CONTROL] * len(PHI3_SPECIAL))
     writer.add_bos_token_id(1)
-    writer.add_eos_token_id(3 + n_pieces)
+    writer.add_eos_token_id(n_vocab - len(PHI3_SPECIAL))
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
