@@ -164,8 +164,8 @@ def erase_slot(eng: Any, s: int) -> SlotResult:
 
 
 def slots_info(eng: Any) -> list[dict[str, Any]]:
-    """``GET /slots``: one object per sequence, llama-server's ``id``, ``n_ctx``, ``speculative`` and
-    ``is_processing``, with ``n_tokens`` (tokens the prefix cache indexes for it) and ``parked``."""
+    """``GET /slots``: one object per sequence, llama-server's ``id``, ``n_ctx``, ``speculative`` (the engine has a
+    drafter) and ``is_processing``, with ``n_tokens`` (tokens the prefix cache indexes for it) and ``parked``."""
     pc = eng.prefix
     out = []
     for s in range(pc.n_seq):
