@@ -25,7 +25,7 @@ __all__ = ["main"]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
-    from .runtime.arch import supported_archs
+    from .runtime.arch import supported_archs, unsupported_arch
     from .serve.speculative import add_spec_args, check_spec_args
 
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml generate", description=__doc__,
@@ -58,6 +58,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--top-p must be in (0, 1] and --min-p in [0, 1], got {a.top_p} and {a.min_p}")
     if not a.model.is_file():
         ap.error(f"--model {a.model}: no such file")
+    why = unsupported_arch(a.model)
+    if why:
+        ap.error(f"--model {a.model}: {why}")
     return a
 
 

@@ -224,3 +224,29 @@ def test_make_model_writes_a_phi3_preset(tmp_path, capsys):
     with pytest.raises(SystemExit):
         make_model_main([str(out), "--preset", "phi2"])
     assert "phi3-mini-4k, phi3.5-mini, phi4-mini" in capsys.readouterr().err
+
+
+def test_an_unsupported_architecture_is_a_clear_error(tmp_path, capsys):
+    """Model(path) names the file's architecture and the supported ones; generate and serve refuse the file with
+    that message as a usage error (exit status 2) before loading anything."""
+    import gguf
+
+    from kvcache_ggml.generate import main as generate_main
+    from kvcache_ggml.serve.cli import parse_args
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
+    w.add_block_count(1)
+    w.add_context_length(16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = "architecture 'falcon' is not supported (supported: llama, gemma2, gemma3, qwen2, qwen3, phi3)"
+    with pytest.raises(ValueError) as e:
+        Model(path)
+    assert str(e.value) == want
+    for run in (lambda: generate_main(["--model", str(path), "--prompt", "x"]),
+                lambda: parse_args(["--model", str(path)])):
+        with pytest.raises(SystemExit) as ex:
+            run()
+        assert ex.value.code == 2 and capsys.readouterr().err.strip().endswith(f"--model {path}: {want}")

@@ -23,7 +23,7 @@ from importlib import import_module
 from os import PathLike
 from typing import Any, Callable
 
-__all__ = ["ArchRuntime", "runtime_for", "load_model", "supported_archs"]
+__all__ = ["ArchRuntime", "runtime_for", "load_model", "supported_archs", "unsupported_arch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,17 @@ def runtime_for(arch: str) -> ArchRuntime:
     if module is None:
         raise ValueError(f"architecture {arch!r} is not supported (supported: {', '.join(_MODULES)})")
     return import_module(module, __package__).RUNTIME
+
+
+def unsupported_arch(path: str | PathLike) -> str | None:
+    """Why ``Model(path)`` would refuse the GGUF's architecture (runtime_for's message), or None: what the
+    commands check before they load (``generate``, ``serve``: a usage error, exit status 2)."""
+    from .._gguf import read_kv
+
+    arch = str(read_kv(path).get("general.architecture"))
+    if arch in _MODULES:
+        return None
+    return f"architecture {arch!r} is not supported (supported: {', '.join(_MODULES)})"
 
 
 def load_model(path: str | PathLike, **kwargs: Any) -> Any:

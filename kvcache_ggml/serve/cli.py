@@ -21,7 +21,7 @@ __all__ = ["main", "parse_args", "open_service"]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from ..runtime.arch import supported_archs
+    from ..runtime.arch import supported_archs, unsupported_arch
     from .speculative import add_spec_args, check_spec_args
 
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml serve", description=__doc__,
@@ -74,6 +74,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.parked = a.parallel if a.kv_unified else 0
     if not a.model.is_file():
         ap.error(f"--model {a.model}: no such file")
+    why = unsupported_arch(a.model)
+    if why:
+        ap.error(f"--model {a.model}: {why}")
     check_spec_args(ap, a)
     if a.slot_save_path is not None and not a.slot_save_path.is_dir():
         ap.error(f"--slot-save-path {a.slot_save_path}: not a directory")
