@@ -137,8 +137,9 @@ def test_without_slot_save_path_the_actions_are_501(tmp_path):
 
 def test_gemma3_served_with_prefix_cache_slots_and_metrics(tmp_path):
     """A Gemma 3 GGUF (sliding window 8, so the SWA cache is smaller than the base cache): a conversation saved,
-    restored and continued reuses the restored tokens and gives the tokens of the prompt computed from scratch;
-    /metrics counts the cells through the Memory protocol."""
+    restored and continued reuses the restored tokens and gives the tokens of the prompt computed from scratch, as
+    does a prefix longer than the window copied from another request; /metrics counts the cells through the Memory
+    protocol."""
     model = make_gemma_model(tmp_path / "g3.gguf", GemmaSpec(arch="gemma3", layers=2, embd=64, heads=2, heads_kv=1,
                                                             head_dim=32, n_swa=8, ctx=2048, seed=5,
                                                             vocab_from=str(GPT2_VOCAB)))
@@ -148,9 +149,12 @@ def test_gemma3_served_with_prefix_cache_slots_and_metrics(tmp_path):
     try:
         text, cached, n, fresh = save_erase_restore(srv, "A Gemma conversation that runs past its window", 12)
         assert n > 8 and cached == n and text == fresh
-        complete(srv, "Two requests share this prefix, one")
-        _, cached = complete(srv, "Two requests share this prefix, two")
-        assert cached > 0
+        head = "Two requests share this prefix, longer than the sliding window of eight tokens:"
+        complete(srv, head + " one")
+        text, cached = complete(srv, head + " two")  # a prefix copied from the first (seq_cp of both caches)
+        srv.drop_parked()
+        assert cached > 8 and (text, 0) == complete(srv, head + " two")
+        srv.engine.call(lambda e: None).result(30)  # the snapshot is published after a call (a reply may come first)
         metrics = dict(line.split() for line in http(srv.url + "/metrics").text.splitlines()
                        if line and not line.startswith("#"))
         used = srv.engine.call(lambda e: (e.ctx.kv.get_used(), e.ctx.kv.get_size())).result(30)
