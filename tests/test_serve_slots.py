@@ -282,3 +282,30 @@ def parse_state_end(data):
     """Where the first (the base cache's) state of a sequence state file ends."""
     from kvcache_ggml.cache.state import parse_state
     return parse_state(data).offset + parse_state(data).nbytes
+
+
+def test_gemma_file_without_its_first_swa_cells_restores_but_is_not_reused(tmp_path):
+    """A file saved from a small SWA cache (llama-server's default) after 300 tokens lacks the SWA cells of the
+    first positions: it restores, the prefix cache does not index it (its cells do not start at 0), and the next
+    request computes its whole prompt, giving the tokens of that prompt decoded alone."""
+    from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
+    path = make_gemma_model(tmp_path / "g3.gguf", GemmaSpec(arch="gemma3", layers=2, embd=64, heads=2, heads_kv=1,
+                                                           head_dim=32, n_swa=8, vocab=VOCAB, seed=3))
+    toks = prompt(300, 13)
+    with load_model(path) as model:
+        small = ContextParams(n_ctx=512, n_batch=16, n_ubatch=16, n_seq_max=2, kv_unified=True, swa_full=False,
+                              type_k="f32", type_v="f32", n_threads=2, n_threads_batch=2)
+        with Context(model, small) as c:
+            for i in range(0, toks.size, 16):
+                c.decode(Batch(token=toks[i:i + 16]))
+            assert c.memory_seq_pos_min(0) > 0  # the SWA cache reused the cells the window left behind
+            c.state_seq_save_file(tmp_path / "short.bin", 0, toks)
+        vocab = Vocab.from_kv(model.gguf_kv)
+        with Context(model, params()) as ctx:
+            eng = Engine(ctx, vocab, EngineParams(n_parallel=2))
+            r = restore_slot(eng, 1, tmp_path / "short.bin", "short.bin")
+            assert r.n_tokens == 300 and ctx.memory_seq_pos_max(1) == 299
+            assert slots_info(eng)[1]["n_tokens"] == 0
+            full = np.concatenate([toks, prompt(4, 14)])
+            j, out = run(eng, vocab, full, 4, id_slot=1)
+            assert j.n_cached == 0 and out == alone(model, full, 4)
