@@ -116,7 +116,8 @@ def test_bad_files_bad_slots_and_actions_are_400_and_change_nothing(llama):
     before = state_of(llama)
     for s, action, name, why in ((1, "restore", "cut.bin", "truncated"), (1, "restore", "junk.bin", "magic"),
                                  (1, "restore", "missing.bin", "cannot read"), (9, "restore", "good.bin", "slot id"),
-                                 ("x", "erase", None, "slot id"), (1, "bogus", None, "action")):
+                                 ("x", "erase", None, "slot id"), ("%C2%B2", "erase", None, "slot id"),
+                                 (1, "bogus", None, "action")):
         r = slot(llama, s, action, name)
         assert r.status_code == 400 and why in r.json()["error"]["message"], (s, action, r.text)
     r = http(llama.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1, "id_slot": 4})

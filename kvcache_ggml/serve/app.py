@@ -358,7 +358,7 @@ class _Api:
                 raise P.RequestError("This server does not support slots action. Start it with `--slot-save-path`",
                                      status=501, type="not_supported_error")
             raw, action = request.path_params["id_slot"], request.query_params.get("action", "")
-            if not raw.isdigit():
+            if not (raw.isascii() and raw.isdigit()):
                 raise P.RequestError(f"invalid slot id {raw!r}", param="id_slot")
             s = int(raw)
             if action in ("save", "restore"):
