@@ -55,10 +55,16 @@ def models(tmp_path_factory):
     return make_models(tmp_path_factory.mktemp("chat_families"))
 
 
-def test_the_pre_tokenizers_split_as_their_models_do(models):
-    """Digits: Qwen2 one per piece, Llama 3 up to three; specials parsed whole; Phi-3's eat the whitespace after
-    them (llama.cpp's RSTRIP), the SPM space prefix then starts the text."""
+def test_the_pre_tokenizers_split_as_their_models_do(models, tmp_path):
+    """Digits: Qwen2 one per piece, Llama 3 and gpt-4o (Phi-4-mini) up to three; gpt-4o cuts words at their
+    capitals; specials parsed whole; Phi-3's eat the whitespace after them (llama.cpp's RSTRIP), the SPM space prefix
+    then starts the text."""
     qwen, llama = Vocab.from_gguf(models["qwen2.5-0.5b"]), Vocab.from_gguf(models["llama3.2-1b"])
+    gpt4o = Vocab.from_gguf(relabel_vocab(GPT2, tmp_path / "gpt-4o.gguf", "gpt-4o"))
+    assert [gpt4o.detokenize([t]) for t in gpt4o.tokenize("12345")] == ["123", "45"] and not gpt4o.add_bos
+    # a word's pieces: gpt-4o cuts at each capital after a lower-case letter, llama-bpe keeps the word whole
+    assert [gpt4o.detokenize([t]) for t in gpt4o.tokenize(" JavaScript")] == [" Java", "Script"]
+    assert [llama.detokenize([t]) for t in llama.tokenize(" JavaScript", add_special=False)] == [" JavaScript"]
     assert [qwen.detokenize([t]) for t in qwen.tokenize("12345")] == list("12345")
     assert [llama.detokenize([t]) for t in llama.tokenize("12345", add_special=False)] == ["123", "45"]
     assert llama.tokenize("x")[0] == llama.bos == llama.tokens.index("<|begin_of_text|>") and not qwen.add_bos

@@ -27,6 +27,11 @@ _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# gpt-4o (Phi-4-mini, Llama 4): llama.cpp's rewrite of the tokenizer.json expression, whose letter classes it follows
+# ([^a-z] / [^A-Z] among letters, so a non-ASCII lowercase letter counts as both cases)
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]"
+          r"|'[lL][lL]|'[dD])?|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*(?:'[sS]|'[tT]|'[rR][eE]"
+          r"|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     # pre -> (expressions, ignore_merges, clean_spaces)
     "gpt-2": ((_GPT2,), False, True), "phi-2": ((_GPT2,), False, True),
@@ -34,6 +39,7 @@ _PRE: dict[str, tuple[tuple[str, ...], bool, bool]] = {
     "smollm": ((r"\p{N}", _GPT2), False, False), "starcoder": ((r"\p{N}", _GPT2), False, True),
     "refact": ((r"\p{N}", _GPT2), False, True), "qwen2": ((_QWEN2,), False, False),
     "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"), False, True),
+    "gpt-4o": ((_GPT4O,), False, False), "llama4": ((_GPT4O,), False, False),
 }
 
 

@@ -2,8 +2,8 @@
 vocabularies, which are not downloaded.
 
 :func:`relabel_vocab` copies a GGUF vocabulary (say llama.cpp's ``ggml-vocab-gpt-2.gguf``: its pieces and merges),
-sets ``tokenizer.ggml.pre`` to the pre-tokenizer named (``qwen2``: one digit per piece, ``llama-bpe``: up to three,
-their letter/punctuation/newline rules) and appends the target model's special tokens as CONTROL tokens, with its
+sets ``tokenizer.ggml.pre`` to the pre-tokenizer named (``qwen2``: one digit per piece, ``llama-bpe`` and ``gpt-4o``:
+up to three, their letter/punctuation/newline rules) and appends the target model's special tokens as CONTROL tokens, with its
 BOS/EOS and ``add_bos_token`` as the published GGUF has them (:data:`SPECIALS`).  llama.cpp loads the result
 (``vocab_only``), so the same text can be tokenized by both and the ids compared; the model makers copy it into a
 random model with ``vocab_from``.
@@ -28,13 +28,16 @@ class VocabLabel:
     add_bos: bool                  # tokenizer.ggml.add_bos_token
 
 
-# pre-tokenizer name -> the published vocabulary's special tokens (Qwen2.5-Instruct, Llama 3.2 Instruct)
+# pre-tokenizer name -> the published vocabulary's special tokens (Qwen2.5-Instruct, Llama 3.2 Instruct, Phi-4-mini)
 SPECIALS: dict[str, VocabLabel] = {
     "qwen2": VocabLabel("qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), "<|endoftext|>", "<|im_end|>",
                         False),
     "llama-bpe": VocabLabel("llama-bpe", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                                           "<|end_header_id|>", "<|eot_id|>"), "<|begin_of_text|>", "<|eot_id|>",
                             True),
+    # Phi-4-mini-instruct: <|endoftext|> is BOS and EOS, no BOS added
+    "gpt-4o": VocabLabel("gpt-4o", ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+                         "<|endoftext|>", "<|endoftext|>", False),
 }
 _REPLACED = ("tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
              "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.add_bos_token",

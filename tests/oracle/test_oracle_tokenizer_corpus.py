@@ -3,8 +3,8 @@ code, numbers (long digit runs: llama-bpe cuts them into pieces of up to three d
 CJK and other scripts, emoji (ZWJ sequences, flags, modifiers), mixed whitespace, tabs, CRLF and blank lines
 (tests/data/tokenizer_corpus.txt), plus chat prompts with special tokens.
 
-Vocabularies: GPT-2's pieces and merges relabelled as Qwen2's and Llama 3's (runtime.vocab_maker: the pre-tokenizer
-and the special tokens, as the default suite's random models carry them), and, when the oracle's source tree has
+Vocabularies: GPT-2's pieces and merges relabelled as Qwen2's, Llama 3's and Phi-4-mini's (gpt-4o)
+(runtime.vocab_maker: the pre-tokenizer and the special tokens, as the default suite's random models carry them), and, when the oracle's source tree has
 them, llama.cpp's own ggml-vocab-qwen2, -llama-bpe and -phi-3 GGUFs (the published vocabularies)."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ CHATS = ["<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi 1
 def vocabs(tmp_path_factory):
     d = tmp_path_factory.mktemp("vocab_corpus")
     gpt2 = DATA / "vocab" / "ggml-vocab-gpt-2.gguf"
-    out = {f"gpt-2 as {pre}": relabel_vocab(gpt2, d / f"{pre}.gguf", pre) for pre in ("qwen2", "llama-bpe")}
+    out = {f"gpt-2 as {pre}": relabel_vocab(gpt2, d / f"{pre}.gguf", pre) for pre in ("qwen2", "llama-bpe", "gpt-4o")}
     for name in ("qwen2", "llama-bpe", "phi-3"):
         p = ORACLE_MODELS / f"ggml-vocab-{name}.gguf"
         if p.exists():
@@ -41,7 +41,8 @@ def vocabs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", ["gpt-2 as qwen2", "gpt-2 as llama-bpe", "qwen2", "llama-bpe", "phi-3"])
+@pytest.mark.parametrize("name", ["gpt-2 as qwen2", "gpt-2 as llama-bpe", "gpt-2 as gpt-4o", "qwen2", "llama-bpe",
+                                  "phi-3"])
 def test_corpus_ids_equal_llama_cpps(vocabs, name):
     if name not in vocabs:
         pytest.skip(f"ggml-vocab-{name}.gguf is not in the oracle's source tree")
