@@ -86,11 +86,12 @@ def _checked_spec(cls: type, spec, kwargs: dict):
     return spec
 
 
-def _add_common_keys(writer, gguf, spec, arch: str, add_vocab=None) -> int:
+def _add_common_keys(writer, gguf, spec, arch: str, add_vocab=None, name: str = "") -> int:
     """The keys every architecture the maker writes has: name, shape, norm epsilon, RoPE base, file type, vocab
     (``spec``: a ModelSpec or anything with its fields; ``add_vocab(writer, gguf, n_vocab)`` writes the vocabulary
-    when no ``vocab_from`` is given, default the minimal SPM one); returns the vocabulary size."""
-    writer.add_name(f"kvcache-ggml-tiny-{arch}")
+    when no ``vocab_from`` is given, default the minimal SPM one; ``name``: general.name, default
+    ``kvcache-ggml-tiny-{arch}``); returns the vocabulary size."""
+    writer.add_name(name or f"kvcache-ggml-tiny-{arch}")
     writer.add_context_length(spec.ctx)
     writer.add_embedding_length(spec.embd)
     writer.add_block_count(spec.layers)

@@ -48,6 +48,8 @@ class Phi3Spec:
     rms_eps: float = 1e-5          # phi3.attention.layer_norm_rms_epsilon
     tied: bool = False             # no output.weight: the head is token_embd
     chat_template: str = ""        # tokenizer.chat_template ("" = none)
+    name: str = ""                 # general.name ("" = kvcache-ggml-tiny-phi3; llama.cpp gives the special tokens of
+    #                                a model named phi3 / phi-3 the RSTRIP attribute, and looks up </s> for it)
 
     def check(self) -> None:
         """ValueError naming the first value out of its range."""
@@ -72,13 +74,14 @@ class Phi3Spec:
 
 # Phi-3-mini-4k-instruct: 32/32 heads of 96, sliding_window 2047, no rope scaling; Phi-3.5-mini-instruct: the same
 # shape with LongRoPE (131072 over 4096) and sliding_window 262144; Phi-4-mini-instruct: 24/8 heads of 128, 3/4 of
-# each head rotated, LongRoPE, tied, sliding_window null (0).  Context lengths divided by 16.
+# each head rotated, LongRoPE, tied, sliding_window null (0), named as its GGUF (no "phi3" in the name: llama.cpp
+# then sets no RSTRIP, and its gpt-4o vocabulary has no </s>).  Context lengths divided by 16.
 PHI3_PRESETS: dict[str, Phi3Spec] = {
     "phi3-mini-4k": Phi3Spec(layers=2, embd=96, heads=4, heads_kv=4, ff=256, ctx=256, sliding_window=127),
     "phi3.5-mini": Phi3Spec(layers=2, embd=96, heads=4, heads_kv=4, ff=256, ctx=8192, orig_ctx=256,
                             sliding_window=16384),
     "phi4-mini": Phi3Spec(layers=2, embd=192, heads=6, heads_kv=2, ff=256, rot_pct=0.75, ctx=8192, orig_ctx=256,
-                          tied=True),
+                          tied=True, name="kvcache-ggml-tiny Phi 4 Mini"),
 }
 
 
@@ -126,7 +129,7 @@ def _add_phi3_vocab(writer, gguf, n_vocab: int) -> int:
 
 
 def _write_keys(writer, gguf, spec: Phi3Spec) -> int:
-    n_vocab = _add_common_keys(writer, gguf, spec, "phi3", _add_phi3_vocab)
+    n_vocab = _add_common_keys(writer, gguf, spec, "phi3", _add_phi3_vocab, spec.name)
     writer.add_rope_dimension_count(spec.n_rot)
     writer.add_sliding_window(spec.sliding_window)
     if spec.orig_ctx:

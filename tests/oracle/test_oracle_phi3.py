@@ -178,3 +178,43 @@ def test_decode_graph_is_llama_cpps_node_by_node(models, name, fa):
         assert len(g) == len(w)
         for i, (a, b) in enumerate(zip(g, w)):
             assert a == b, f"node {i}: ours {a}, llama.cpp {b}"
+
+
+@pytest.mark.parametrize("name", ["phi3.5-mini", "phi4-mini"])
+def test_greedy_text_with_the_published_kind_of_vocabulary(tmp_path, name):
+    """Phi-3.5-mini with llama.cpp's own ggml-vocab-phi-3 (SentencePiece, Phi-3's added tokens), Phi-4-mini with
+    GPT-2's pieces relabelled as its gpt-4o BPE (Q8_0 embeddings): a chat-shaped prompt (special tokens, the
+    whitespace after them stripped), 12 greedy steps -- the same tokens, bit-identical logits and llama.cpp's
+    detokenized text."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from kvcache_ggml.runtime import Vocab
+    from kvcache_ggml.runtime.vocab_maker import relabel_vocab
+    from llama_runner import ORACLE_DIR
+    root = Path(__file__).resolve().parents[2]
+    if name == "phi3.5-mini":
+        vocab_path = ORACLE_DIR / "src" / "llama_cpp_python-0.3.17" / "vendor" / "llama.cpp" / "models" / \
+            "ggml-vocab-phi-3.gguf"
+        if not vocab_path.exists():
+            pytest.skip(f"{vocab_path} missing")
+    else:
+        vocab_path = relabel_vocab(root / "tests" / "data" / "vocab" / "ggml-vocab-gpt-2.gguf",
+                                   tmp_path / "gpt-4o.gguf", "gpt-4o")
+    spec = importlib.util.spec_from_file_location("check_tiny_llama", root / "scripts" / "check_tiny_llama.py")
+    chk = importlib.util.module_from_spec(spec)
+    sys.modules["check_tiny_llama"] = chk
+    try:
+        spec.loader.exec_module(chk)
+    finally:
+        del sys.modules["check_tiny_llama"]
+    path = make_phi3_model(tmp_path / f"{name}.gguf", name, seed=4, vocab_from=str(vocab_path), embd_type="q8_0")
+    vocab = Vocab.from_gguf(path)
+    prompt = vocab.tokenize("<|user|>\n  The llama's 3 friends ate 1,234 apples.<|end|>\n<|assistant|>\n",
+                            add_special=True, parse_special=True)
+    ours, our_rows = chk.ours_greedy(path, prompt, 12, True, vocab)
+    theirs, text, their_rows = chk.llama_greedy(path, prompt, 12, True, vocab.n_tokens)
+    assert ours == theirs and len(ours) == 12, (len(ours), ours)
+    assert text == vocab.detokenize(ours)
+    np.testing.assert_array_equal(our_rows, their_rows)
