@@ -1,8 +1,9 @@
 """A llama.cpp-style runtime on the cache: model loading, decoding with a ggml graph per ubatch, a numpy reference.
 
 * :class:`~kvcache_ggml.runtime.model.Model` -- a llama GGUF in ggml backend buffers (``llama_model``);
-  :class:`~kvcache_ggml.runtime.gemma.GemmaModel` for Gemma 2/3; :func:`~kvcache_ggml.runtime.arch.load_model`
-  picks the class of a file's architecture;
+  :class:`~kvcache_ggml.runtime.gemma.GemmaModel` for Gemma 2/3, :class:`~kvcache_ggml.runtime.phi3.Phi3Model` for
+  Phi-3; ``Model(path)`` (and :func:`~kvcache_ggml.runtime.arch.load_model`) picks the class of a file's
+  architecture (``docs/models.md``);
 * :class:`~kvcache_ggml.runtime.context.Context` -- a KV cache and a scheduler; ``decode(batch)`` as ``llama_decode``;
 * :func:`~kvcache_ggml.runtime.modelmaker.make_model` -- a random-weight llama GGUF (``make-model``);
 * :class:`~kvcache_ggml.runtime.reference.Reference` -- a float64 numpy forward pass of the same file;
@@ -30,6 +31,8 @@ _LAZY = {
     "load_model": ".arch",
     "GemmaModel": ".gemma",
     "GemmaReference": ".gemma_reference",
+    "Phi3Model": ".phi3",
+    "Phi3Reference": ".phi3_reference",
 }
 
 __all__ = sorted(_LAZY)
