@@ -1,13 +1,14 @@
 """Our tokenizer against llama.cpp's (llama_tokenize of llama-cpp-python 0.3.17, vocab-only model) on a corpus of
 code, numbers (long digit runs: llama-bpe cuts them into pieces of up to three digits, qwen2 into single digits),
 CJK and other scripts, emoji (ZWJ sequences, flags, modifiers), mixed whitespace, tabs, CRLF and blank lines
-(tests/data/tokenizer_corpus.txt), plus chat prompts with special tokens.
+(tests/data/tokenizer_corpus.txt), plus chat prompts with special tokens; and llama_detokenize of those ids.
 
 Vocabularies: GPT-2's pieces and merges relabelled as Qwen2's, Llama 3's and Phi-4-mini's (gpt-4o)
 (runtime.vocab_maker: the pre-tokenizer and the special tokens, as the default suite's random models carry them), and, when the oracle's source tree has
 them, llama.cpp's own ggml-vocab-qwen2, -llama-bpe and -phi-3 GGUFs (the published vocabularies)."""
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,9 @@ def test_corpus_ids_equal_llama_cpps(vocabs, name):
            != a["tokens"]]
     assert not bad, f"{len(bad)} of {len(ops)} differ, first: {bad[0][0]}: ours {bad[0][1][:24]}, " \
                     f"llama.cpp {bad[0][2][:24]}"
+    # and back: llama_detokenize of llama.cpp's ids, with and without the special tokens' text
+    dops = [{"op": "detokenize", "tokens": a["tokens"], "special": sp} for a in theirs for sp in (False, True)]
+    back = run_llama({"model": str(path), "vocab_only": True, "ops": dops})
+    assert len(back) == len(dops), back[-1]
+    for op, a in zip(dops, back):
+        assert v.detokenize(op["tokens"], op["special"]) == base64.b64decode(a["text"]).decode("utf-8", "replace"), op
