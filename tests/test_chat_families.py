@@ -1,5 +1,5 @@
-"""The published chat templates of Qwen2.5 (ChatML), Llama 3.2 and Phi-3.5 written into random models of their
-families, rendered by ``serve``'s chat endpoint, and their vocabularies' pre-tokenizers checked by hand.
+"""The published chat templates of Qwen2.5 and Qwen3 (ChatML), Llama 3.2 and Phi-3.5 written into random models of
+their families, rendered by ``serve``'s chat endpoint, and their vocabularies' pre-tokenizers checked by hand.
 
 Each model is a scaled-down preset (runtime.family_maker / runtime.phi3_maker) with its published template
 (runtime.chat_templates) and a vocabulary shaped as its own: GPT-2's pieces relabelled as Qwen2's or Llama 3's
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache_ggml.runtime.chat_templates import LLAMA3_2, PHI3_5, QWEN2_5
+from kvcache_ggml.runtime.chat_templates import LLAMA3_2, PHI3_5, QWEN2_5, QWEN3
 from kvcache_ggml.runtime.family_maker import make_family_model
 from kvcache_ggml.runtime.phi3_maker import make_phi3_model
 from kvcache_ggml.runtime.phi3_reference import Phi3Reference
@@ -29,12 +29,15 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 EXPECTED = {
     "qwen2.5-0.5b": "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi 12345!<|im_end|>\n"
                     "<|im_start|>assistant\n",
+    "qwen3-0.6b": "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nHi 12345!<|im_end|>\n"
+                  "<|im_start|>assistant\n<think>\n\n</think>\n\n",
     "llama3.2-1b": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
                    "December 2023\nToday Date: 26 Jul 2024\n\nYou are terse.<|eot_id|><|start_header_id|>user"
                    "<|end_header_id|>\n\nHi 12345!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
     "phi3.5-mini": "<|system|>\nYou are terse.<|end|>\n<|user|>\nHi 12345!<|end|>\n<|assistant|>\n",
 }
-KWARGS = {"llama3.2-1b": {"date_string": "26 Jul 2024"}}   # (the template's default is today's date)
+# (Llama 3.2's default date is today's; Qwen3 without thinking closes an empty <think> block)
+KWARGS = {"llama3.2-1b": {"date_string": "26 Jul 2024"}, "qwen3-0.6b": {"enable_thinking": False}}
 
 
 def make_models(d: Path) -> dict[str, Path]:
@@ -44,6 +47,8 @@ def make_models(d: Path) -> dict[str, Path]:
     return {
         "qwen2.5-0.5b": make_family_model(d / "qwen.gguf", "qwen2.5-0.5b", vocab_from=str(qwen), embd_type="q8_0",
                                           chat_template=QWEN2_5, seed=1),
+        "qwen3-0.6b": make_family_model(d / "qwen3.gguf", "qwen3-0.6b", vocab_from=str(qwen), embd_type="q8_0",
+                                        chat_template=QWEN3, seed=4),
         "llama3.2-1b": make_family_model(d / "llama.gguf", "llama3.2-1b", vocab_from=str(llama), embd_type="q8_0",
                                          chat_template=LLAMA3_2, seed=2),
         "phi3.5-mini": make_phi3_model(d / "phi.gguf", "phi3.5-mini", chat_template=PHI3_5, seed=3),

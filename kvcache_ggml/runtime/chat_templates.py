@@ -1,11 +1,11 @@
 """The chat templates (``tokenizer.chat_template``) of the published models whose scaled-down presets the model
-makers write, as the published GGUFs carry them (the texts of llama.cpp's ``models/templates``, MIT): Qwen2.5's
-ChatML, Llama 3.2's and Phi-3.5's.  :data:`TEMPLATES` maps a preset name to its template; the serving tests render
-each through :class:`~kvcache_ggml.serve.chat.ChatTemplate` against the prompt written out by hand.
+makers write, as the published GGUFs carry them (the texts of llama.cpp's ``models/templates``, MIT): Qwen2.5's and
+Qwen3's ChatML, Llama 3.2's and Phi-3.5's.  :data:`TEMPLATES` maps a preset name to its template; the serving tests
+render each through :class:`~kvcache_ggml.serve.chat.ChatTemplate` against the prompt written out by hand.
 """
 from __future__ import annotations
 
-__all__ = ["QWEN2_5", "LLAMA3_2", "PHI3_5", "TEMPLATES"]
+__all__ = ["QWEN2_5", "QWEN3", "LLAMA3_2", "PHI3_5", "TEMPLATES"]
 
 # Qwen2.5-Instruct's ChatML (Qwen/Qwen2.5-7B-Instruct; the 0.5B's is the same)
 QWEN2_5 = r'''{%- if tools %}
@@ -63,6 +63,93 @@ QWEN2_5 = r'''{%- if tools %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 '''
+
+# Qwen3's ChatML with its thinking switch (Qwen/Qwen3-0.6B: enable_thinking=false closes an empty <think> block)
+QWEN3 = r'''{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in message.content %}
+                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}
+                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}'''
 
 # Llama 3.2 Instruct's (meta-llama/Llama-3.2-3B-Instruct; the 1B's is the same)
 LLAMA3_2 = r'''{{- bos_token }}
@@ -171,5 +258,5 @@ PHI3_5 = r'''{% for message in messages %}{% if message['role'] == 'system' and 
 ' }}{% else %}{{ eos_token }}{% endif %}'''
 
 # preset name (runtime.family_maker / runtime.phi3_maker) -> its published model's template
-TEMPLATES: dict[str, str] = {"qwen2.5-0.5b": QWEN2_5, "llama3.2-1b": LLAMA3_2, "phi3.5-mini": PHI3_5,
-                             "phi3-mini-4k": PHI3_5}
+TEMPLATES: dict[str, str] = {"qwen2.5-0.5b": QWEN2_5, "qwen3-0.6b": QWEN3, "llama3.2-1b": LLAMA3_2,
+                             "phi3.5-mini": PHI3_5, "phi3-mini-4k": PHI3_5}

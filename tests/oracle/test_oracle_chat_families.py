@@ -1,4 +1,4 @@
-"""The published chat templates of Qwen2.5, Llama 3.2 and Phi-3.5 through llama.cpp's own ``llama-server`` and ours.
+"""The published chat templates of Qwen2.5, Qwen3, Llama 3.2 and Phi-3.5 through llama.cpp's ``llama-server`` and ours.
 
 The models are tests/test_chat_families.py's (scaled-down presets with their published template and a vocabulary
 shaped as their own).  llama-server's ``/apply-template`` renders the conversation as the prompt written out by hand
