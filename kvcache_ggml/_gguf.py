@@ -40,7 +40,8 @@ class TensorInfo:
 
 
 class GGUFFile:
-    """The metadata of a GGUF file (``kv``: key -> value, ``tensors``: name -> TensorInfo) and its data mapped."""
+    """The metadata of a GGUF file (``kv``: key -> value, ``kv_types``: key -> its GGUF types, ``tensors``: name ->
+    TensorInfo) and its data mapped."""
 
     def __init__(self, path: str | PathLike) -> None:
         self.path = str(path)
@@ -54,9 +55,13 @@ class GGUFFile:
         self.version = version
         self._buf, self._pos = buf, 24
         self.kv: dict[str, Any] = {}
+        self.kv_types: dict[str, tuple[int, int | None]] = {}  # key -> (GGUF value type, an array's item type)
         for _ in range(n_kv):
             key = self._str()
-            self.kv[key] = self._value(self._u32())
+            vtype = self._u32()
+            itype = struct.unpack_from("<I", buf, self._pos)[0] if vtype == _ARRAY else None
+            self.kv_types[key] = (vtype, itype)
+            self.kv[key] = self._value(vtype)
         self.tensors: dict[str, TensorInfo] = {}
         for _ in range(n_tensors):
             name = self._str()

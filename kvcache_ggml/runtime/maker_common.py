@@ -59,18 +59,22 @@ def _add_matrix(writer, gguf, name: str, w: np.ndarray, wtype: str) -> None:
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
 
 
+def _copy_kv(writer, gguf, f, key: str) -> None:
+    """Key ``key`` of the GGUFFile f, with its value types."""
+    vtype, itype = f.kv_types[key]
+    writer.add_key_value(key, f.kv[key], gguf.GGUFValueType(vtype),
+                         sub_type=None if itype is None else gguf.GGUFValueType(itype))
+
+
 def _copy_tokenizer(writer, gguf, path: str) -> int:
     """Every tokenizer.* key of the GGUF at path; returns its vocabulary size."""
-    reader = gguf.GGUFReader(path)
-    n_vocab = 0
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY and len(field.types) > 1 else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-        if key == "tokenizer.ggml.tokens":
-            n_vocab = len(field.data)
+    from .._gguf import GGUFFile
+
+    f = GGUFFile(path)
+    for key in f.kv:
+        if key.startswith("tokenizer."):
+            _copy_kv(writer, gguf, f, key)
+    n_vocab = len(f.kv.get("tokenizer.ggml.tokens", []))
     if not n_vocab:
         raise ValueError(f"{path}: no tokenizer.ggml.tokens to copy")
     return n_vocab

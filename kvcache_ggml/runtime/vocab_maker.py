@@ -48,27 +48,29 @@ def relabel_vocab(src: str | PathLike, dst: str | PathLike, pre: str) -> Path:
     """Write a copy of the byte-level BPE vocabulary ``src`` as ``pre``'s (a key of :data:`SPECIALS`) to ``dst``."""
     import gguf
 
+    from .._gguf import GGUFFile
+    from .maker_common import _copy_kv
+
     if pre not in SPECIALS:
         raise ValueError(f"pre-tokenizer {pre!r} is not one of {', '.join(SPECIALS)}")
     label = SPECIALS[pre]
-    r = gguf.GGUFReader(str(src))
-    if str(r.fields["tokenizer.ggml.model"].contents()) != "gpt2":
+    f = GGUFFile(src)
+    if f.kv.get("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"{src}: not a byte-level BPE vocabulary (tokenizer.ggml.model != 'gpt2')")
-    tokens = list(r.fields["tokenizer.ggml.tokens"].contents())
-    types = list(r.fields["tokenizer.ggml.token_type"].contents())
+    tokens = list(f.kv["tokenizer.ggml.tokens"])
+    types = list(f.kv["tokenizer.ggml.token_type"])
     for text in label.special:
         if text not in tokens:
             tokens.append(text)
             types.append(int(gguf.TokenType.CONTROL))
         else:
             types[tokens.index(text)] = int(gguf.TokenType.CONTROL)
-    w = gguf.GGUFWriter(str(dst), str(r.fields["general.architecture"].contents()))
+    w = gguf.GGUFWriter(str(dst), str(f.kv["general.architecture"]))
     try:
-        for key, field in r.fields.items():
+        for key in f.kv:
             if key.startswith("GGUF.") or key == "general.architecture" or key in _REPLACED:
                 continue
-            w.add_key_value(key, field.contents(), field.types[0],
-                            sub_type=field.types[1] if len(field.types) > 1 else None)
+            _copy_kv(w, gguf, f, key)
         w.add_tokenizer_pre(label.pre)
         w.add_token_list(tokens)
         w.add_token_types(types)
