@@ -130,3 +130,17 @@ def test_serve_chat_renders_the_gguf_template(models, name):
     assert r.usage.prompt_tokens == len(prompt_ids)
     want = _reference_reply(name, path, vocab, prompt_ids, 4)
     assert want and r.choices[0].message.content == want
+
+
+def test_header_types_are_read_as_gguf_reads_them(models):
+    """GGUFFile.kv_types (what the makers copy a vocabulary with) equals gguf's own reader on every key of a model
+    file: scalars, strings, arrays of strings, int32 and float32."""
+    import gguf
+
+    from kvcache_ggml._gguf import GGUFFile
+    path = models["phi3.5-mini"]
+    ours, theirs = GGUFFile(path).kv_types, gguf.GGUFReader(str(path)).fields
+    want = {k: (int(f.types[0]), int(f.types[1]) if len(f.types) > 1 else None)
+            for k, f in theirs.items() if not k.startswith("GGUF.")}
+    assert ours == want
+    assert {t for t, _ in ours.values()} >= {4, 6, 7, 8, 9} and {i for _, i in ours.values()} >= {5, 6, 8}
