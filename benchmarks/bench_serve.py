@@ -409,6 +409,99 @@ def restore_main(model: Path, a: argparse.Namespace, kinds: list[str], log: Path
     return 0
 
 
+SPEC_MODES = ("none", "draft", "ngram")
+
+
+def spec_flags(kind: str, mode: str, draft: Path, a: argparse.Namespace) -> list[str]:
+    """The speculative options of one row: none, ``-md`` (both servers the same), or prompt lookup (ours
+    ``--spec-ngram``, llama-server ``--spec-type ngram-simple`` with 2-token keys)."""
+    if mode == "draft":
+        return ["-md", str(draft), "--draft-max", str(a.spec_draft_max), "--draft-p-min", str(a.spec_p_min)]
+    if mode == "ngram" and kind == "ours":
+        return ["--spec-ngram", "--draft-max", str(a.spec_draft_max)]
+    if mode == "ngram":
+        return ["--spec-type", "ngram-simple", "--spec-ngram-size-n", "2", "--spec-ngram-size-m",
+                str(a.spec_draft_max), "--draft-max", str(a.spec_draft_max)]
+    return []
+
+
+def spec_post(url: str, body: dict) -> dict:
+    import json
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps({"model": "bench", **body}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=1200) as r:
+        return json.loads(r.read())
+
+
+def spec_run(kind: str, mode: str, models: tuple[Path, Path], prompts: list[list[int]], a: argparse.Namespace,
+             log: Path, bias: dict[str, float]) -> dict:
+    """One server, every user's prompt at once (greedy, ``--spec-reply`` tokens): output tokens/s over the wall
+    time, the texts, and the draft tokens verified and accepted (ours: /metrics; llama-server: timings)."""
+    port, users = free_port(), len(prompts)
+    cmd = server_cmd(kind, models[0], port, a, users) + spec_flags(kind, mode, models[1], a)
+    texts: list[str] = [""] * users
+    drafted = accepted = 0
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, proc)
+            spec_post(url, {"prompt": [400, 401, 402], "max_tokens": 4, "temperature": 0})  # (warm-up)
+            answers: list[dict] = [{}] * users
+
+            def user(u: int) -> None:
+                answers[u] = spec_post(url, {"prompt": prompts[u], "max_tokens": a.spec_reply, "temperature": 0,
+                                             "ignore_eos": True, "logit_bias": bias})
+
+            threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - t0
+            for u, ans in enumerate(answers):
+                texts[u] = ans["choices"][0]["text"]
+                tm = ans.get("timings") or {}
+                drafted, accepted = drafted + tm.get("draft_n", 0), accepted + tm.get("draft_n_accepted", 0)
+            if kind == "ours":
+                with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+                    m = dict(ln.split() for ln in r.read().decode().splitlines() if ln and ln[0] != "#")
+                drafted, accepted = int(m["kvcache_draft_n_total"]), int(m["kvcache_draft_n_accepted_total"])
+            n_out = sum(ans["usage"]["completion_tokens"] for ans in answers)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return {"tok/s": n_out / wall, "texts": texts, "drafted": drafted, "accepted": accepted}
+
+
+def spec_main(a: argparse.Namespace, kinds: list[str], log: Path) -> int:
+    """The speculative rows: each server without drafts, with ``-md`` and with prompt lookup, on the code-editing
+    workload of benchmarks/_spec_models.py; the speedup is tokens/s over the same server's without drafts."""
+    from _spec_models import spec_models, spec_prompts
+
+    tmp = Path(tempfile.gettempdir())
+    models = spec_models(tmp / "kvcache_bench_spec_target.gguf", tmp / "kvcache_bench_spec_draft.gguf", GPT2_VOCAB,
+                         CHATML)
+    bias = partial_utf8_tokens(models[0])
+    print(f"target {models[0].name} (16 layers, n_embd 512, Q8_0), draft {models[1].name} (its first layer); "
+          f"--draft-max {a.spec_draft_max}, -md --draft-p-min {a.spec_p_min}; replies {a.spec_reply} tokens; "
+          f"-t {a.threads}; best of {a.runs} runs; servers' output in {log}")
+    print(f"{'users':>5} {'server':>6} {'mode':>6} {'tok/s':>8} {'speedup':>8} {'accepted':>14} {'same text':>9}")
+    for users in a.users:
+        prompts = spec_prompts(models[0], users, a.spec_reply, [int(t) for t in bias])
+        for kind in kinds:
+            base = None
+            for mode in SPEC_MODES:
+                runs = [spec_run(kind, mode, models, prompts, a, log, bias) for _ in range(a.runs)]
+                r = max(runs, key=lambda x: x["tok/s"])
+                base = base or r
+                acc = f"{r['accepted']}/{r['drafted']}" if mode != "none" else "-"
+                print(f"{users:>5} {kind:>6} {mode:>6} {r['tok/s']:>8.1f} {r['tok/s'] / base['tok/s']:>7.2f}x "
+                      f"{acc:>14} {str(r['texts'] == base['texts']):>9}", flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
@@ -431,7 +524,17 @@ def main() -> int:
     ap.add_argument("--reuse-requests", type=int, default=8, help="cache reuse: requests (default %(default)s)")
     ap.add_argument("--reuse-window", type=int, default=8, help="cache reuse: paragraphs a request holds")
     ap.add_argument("--reuse-words", type=int, default=60, help="cache reuse: words a paragraph (~1 token each)")
+    ap.add_argument("--spec", action="store_true",
+                    help="run the speculative decoding scenario instead (a reply that repeats its prompt): each "
+                         "server without drafts, with -md and with prompt lookup")
+    ap.add_argument("--spec-draft-max", type=int, default=16, help="speculative: --draft-max (default %(default)s)")
+    ap.add_argument("--spec-p-min", type=float, default=0.75,
+                    help="speculative: -md --draft-p-min, both servers (default %(default)s, llama-server's)")
+    ap.add_argument("--spec-reply", type=int, default=96, help="speculative: reply tokens (default %(default)s)")
     a = ap.parse_args()
+    if a.spec:
+        kinds = [k for k in ("ours", "llama") if a.only in (None, k) and (k == "ours" or LLAMA_SERVER.exists())]
+        return spec_main(a, kinds, Path(tempfile.gettempdir()) / "bench_serve.log")
     model = make_bench_model(a.model)
     kinds = [k for k in ("ours", "llama") if a.only in (None, k)]
     if "llama" in kinds and not LLAMA_SERVER.exists():
