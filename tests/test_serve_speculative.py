@@ -337,3 +337,21 @@ def test_generate_with_drafts_prints_the_reference_text(paths, capsys):
         assert msg in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"\(96 tokens\).*\(50257 tokens\)"):
         generate_main(base + ["-md", str(paths["target"])])
+
+
+def test_serve_cli_refuses_bad_draft_options(paths, capsys):
+    """``serve``: --draft-max 0 and a draft model of another vocabulary stop the start-up with the reason."""
+    from kvcache_ggml.serve.cli import open_service, parse_args
+
+    base = ["--model", str(paths["target"]), "-c", "256", "-np", "2", "-t", "1"]
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--spec-ngram", "--draft-max", "0"])
+    assert "--draft-max must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"\(50257 tokens\).*\(96 tokens\)"):
+        open_service(parse_args(base + ["-md", str(paths["gpt2"])]))
+    model, ctx, svc = open_service(parse_args(base + ["--spec-ngram", "--draft-max", "4"]))
+    try:
+        assert isinstance(svc.engine.drafter, NgramDrafter) and svc.engine.params.draft_max == 4
+    finally:
+        ctx.close()
+        model.close()
