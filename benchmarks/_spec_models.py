@@ -57,28 +57,36 @@ def spec_models(target: Path, draft: Path, vocab: Path, template: str) -> tuple[
     return target, draft
 
 
-def spec_prompts(target: Path, users: int, n_reply: int, banned: list[int], seed: int = 5) -> list[list[int]]:
+def spec_prompts(target: Path, users: int, n_reply: int, banned: list[int], seed: int = 5,
+                 tries: int = 4) -> list[list[int]]:
     """Per user the token prompt A + D + A (module docstring): D starts as the greedy continuation of A and is
-    replaced by the greedy reply to A + D + A until that reply is D (at most 4 rounds: a near tie of the logits
-    can make the context decide); D avoids the ``banned`` ids (the servers get them as a logit bias)."""
+    replaced by the greedy reply to A + D + A until that reply is D (at most 4 rounds); of ``tries`` random A the one
+    whose reply has the widest smallest gap between its two best logits is kept (a near tie there would let the
+    rounding of a batch -- a server's, a verification's -- send the reply off D).  D avoids the ``banned`` ids (the
+    servers get them as a logit bias)."""
     from kvcache_ggml.runtime import load_model
 
     rng = np.random.default_rng(seed)
     out = []
     with load_model(target) as m:
         for _ in range(users):
-            a = [int(t) for t in rng.integers(300, 20000, 150)]
-            d = _greedy(m, a, n_reply, banned)
-            for _ in range(4):
-                again = _greedy(m, a + d + a, n_reply, banned)
-                if again == d:
-                    break
-                d = again
-            out.append(a + d + a)
+            best: tuple[float, list[int]] = (-1.0, [])
+            for _ in range(tries):
+                a = [int(t) for t in rng.integers(300, 20000, 150)]
+                d, gap = _greedy(m, a, n_reply, banned)
+                for _ in range(4):
+                    again, gap = _greedy(m, a + d + a, n_reply, banned)
+                    if again == d:
+                        break
+                    d = again
+                best = max(best, (gap, a + d + a), key=lambda x: x[0])
+            out.append(best[1])
     return out
 
 
-def _greedy(model, tokens: list[int], n: int, banned: list[int]) -> list[int]:
+def _greedy(model, tokens: list[int], n: int, banned: list[int]) -> tuple[list[int], float]:
+    """``n`` greedy tokens after ``tokens`` and the smallest gap between the two best logits on the way, relative
+    to the largest logit."""
     from kvcache_ggml.batch import Batch
     from kvcache_ggml.cparams import ContextParams
     from kvcache_ggml.runtime import Context
@@ -86,9 +94,12 @@ def _greedy(model, tokens: list[int], n: int, banned: list[int]) -> list[int]:
     with Context(model, ContextParams(n_ctx=1024, n_batch=512, n_threads=2, n_threads_batch=2)) as ctx:
         row = ctx.decode(Batch(token=np.array(tokens, np.int32)))[-1]
         d: list[int] = []
+        gap = np.inf
         for _ in range(n):
             row = np.array(row)
             row[banned] = -np.inf
+            top = np.sort(row)[-2:]
+            gap = min(gap, float((top[1] - top[0]) / top[1]))
             d.append(int(np.argmax(row)))
             row = ctx.decode(Batch(token=np.array(d[-1:], np.int32)))[0]
-    return d
+    return d, gap
