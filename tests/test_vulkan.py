@@ -168,23 +168,57 @@ def test_split_model_q8_0_cache_agrees_as_closely_as_f16(tmp_path):
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-def test_vulkan_is_as_close_to_exact_math_as_the_cpu(models, model):
+def test_vulkan_is_as_close_to_exact_math_as_the_cpu(models, tmp_path, model):
     """Both backends against the float64 numpy forward pass of the same file (an implementation independent of
     ggml): Vulkan's logits are no farther from it than the CPU's, up to F16 arithmetic's rounding (ggml-vulkan
     multiplies in F16 where the device has it).  With quantized weights the CPU quantizes activations to Q8_0/Q8_K
     and Vulkan multiplies dequantized weights, so Vulkan is often the closer of the two: the differences between
-    them that runtime-parity's tolerances allow are the CPU's own quantization error, not a Vulkan defect."""
+    them that runtime-parity's tolerances allow are the CPU's own quantization error, not a Vulkan defect.
+
+    F16 weights: on a device with F16 arithmetic ggml-vulkan multiplies an F16 matrix by F32 activations in its
+    F16-accumulating kernel (``ggml_vk_get_mul_mat_mat_pipeline``: ``f16acc`` unless the op asks for F32
+    precision, which llama.cpp's llama graph does not), about ten times the CPU's error over rows of 512-1024
+    (lavapipe: 0.022 against 0.0019).  That is ggml's choice, the same under llama.cpp; so for those models the
+    Vulkan side runs in a child process with ``GGML_VK_DISABLE_F16=1`` (F32 accumulation), where the same bound
+    checks our graph."""
     path = models[model]
     toks = np.random.default_rng(7).integers(3, MODELS[model].vocab, 24).astype(np.int32)
     err, ref = {}, None
     for backend in ("cpu", "vulkan"):
-        with placed_model(path, backend, 1) as m, Context(m, n_ctx=64, flash_attn=True, type_k="f16", type_v="f16",
-                                                           n_threads=1, n_threads_batch=1) as ctx:
-            got = ctx.decode(Batch(token=toks, logits=np.ones(len(toks), np.int8))).astype(np.float64)
-            if ref is None:
-                ref = reference_of(path, model, ctx.cparams.n_ctx_seq).forward(toks)
+        if backend == "vulkan" and MODELS[model].type == "f16":
+            got = _logits_in_child(path, toks, tmp_path, GGML_VK_DISABLE_F16="1")
+        else:
+            with placed_model(path, backend, 1) as m, Context(m, **_EXACT_CTX) as ctx:
+                got = ctx.decode(Batch(token=toks, logits=np.ones(len(toks), np.int8))).astype(np.float64)
+                if ref is None:
+                    ref = reference_of(path, model, ctx.cparams.n_ctx_seq).forward(toks)
         err[backend] = np.abs(got - ref).max() / np.abs(ref).max()
     assert err["vulkan"] <= 1.5 * err["cpu"] + 5e-3, err
+
+
+_EXACT_CTX = dict(n_ctx=64, flash_attn=True, type_k="f16", type_v="f16", n_threads=1, n_threads_batch=1)
+_CHILD_LOGITS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from kvcache_ggml.batch import Batch
+    from kvcache_ggml.parity.runtime_check import placed_model
+    from kvcache_ggml.runtime import Context
+    path, toks_file, out_file, ctx_kw = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+    toks = np.load(toks_file)
+    with placed_model(path, "vulkan", 1) as m, Context(m, **ctx_kw) as ctx:
+        np.save(out_file, ctx.decode(Batch(token=toks, logits=np.ones(len(toks), np.int8))).astype(np.float64))
+""")
+
+
+def _logits_in_child(path: Path, toks: np.ndarray, tmp: Path, **env: str) -> np.ndarray:
+    """float64 [n_tokens, n_vocab] (numpy order): the logits of ``toks`` decoded on Vulkan in a child process with
+    ``env`` added to its environment (ggml-vulkan reads its switches once, when it enumerates the devices)."""
+    np.save(tmp / "toks.npy", toks)
+    run = subprocess.run([sys.executable, "-c", _CHILD_LOGITS, str(path), str(tmp / "toks.npy"),
+                          str(tmp / "logits.npy"), repr(_EXACT_CTX)], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return np.load(tmp / "logits.npy")
 
 
 def reference_of(path, model: str, n_ctx_seq: int):
