@@ -286,3 +286,37 @@ def test_stop_string_ends_the_text_before_it(server):
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
     chunks = list(complete(cl, "Stop strings are cut here", 12, stop=[stop], stream=True))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+
+
+def test_accepted_connections_get_tcp_nodelay():
+    """The serve command's listening socket (cli.listen_socket) under an asyncio server, as uvicorn runs it: every
+    accepted connection has TCP_NODELAY, so a response's header and body writes do not wait on a keep-alive
+    client's delayed ACK (with proto 0 asyncio left Nagle on: ~40 ms a request)."""
+    import asyncio
+    import socket
+
+    from kvcache_ggml.serve.cli import listen_socket
+
+    async def main() -> list[int]:
+        seen: list[int] = []
+        done = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                seen.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+                if len(seen) == 2:
+                    done.set_result(None)
+
+        sock = listen_socket("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        port = sock.getsockname()[1]
+        for _ in range(2):
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.close()
+        await asyncio.wait_for(done, 10)
+        server.close()
+        return seen
+
+    seen = asyncio.run(main())
+    assert len(seen) == 2 and all(seen), seen

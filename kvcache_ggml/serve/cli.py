@@ -145,6 +145,17 @@ def _server_class():
     return Server
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening TCP socket, bound and listening (backlog 2048).  Made with proto ``IPPROTO_TCP``, not
+    0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP, and without it a response's header
+    and body writes wait on a keep-alive client's delayed ACK (Nagle: ~40 ms a request)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def main(argv: list[str]) -> int:
     import uvicorn
 
@@ -156,10 +167,7 @@ def main(argv: list[str]) -> int:
     G.set_log_level(3)
     model, ctx, svc = open_service(a)
     try:
-        sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((a.host, a.port))
-        sock.listen(2048)  # connections wait in the backlog from here on, while uvicorn starts
+        sock = listen_socket(a.host, a.port)  # connections wait in the backlog from here on, while uvicorn starts
         host, port = sock.getsockname()[:2]
         print(f"[{svc.model_name}: {a.parallel} parallel + {a.parked} parked sequences, n_ctx {ctx.n_ctx()} "
               f"({ctx.n_ctx_seq()} per sequence{', unified' if a.kv_unified else ''}), chat template "
