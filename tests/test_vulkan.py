@@ -7,6 +7,7 @@ tests skip with the reason -- except under CI (``CI=true``), where that fails th
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -198,12 +199,13 @@ def test_vulkan_is_as_close_to_exact_math_as_the_cpu(models, tmp_path, model):
 
 _EXACT_CTX = dict(n_ctx=64, flash_attn=True, type_k="f16", type_v="f16", n_threads=1, n_threads_batch=1)
 _CHILD_LOGITS = textwrap.dedent("""
+    import json
     import sys
     import numpy as np
     from kvcache_ggml.batch import Batch
     from kvcache_ggml.parity.runtime_check import placed_model
     from kvcache_ggml.runtime import Context
-    path, toks_file, out_file, ctx_kw = sys.argv[1], sys.argv[2], sys.argv[3], eval(sys.argv[4])
+    path, toks_file, out_file, ctx_kw = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     toks = np.load(toks_file)
     with placed_model(path, "vulkan", 1) as m, Context(m, **ctx_kw) as ctx:
         np.save(out_file, ctx.decode(Batch(token=toks, logits=np.ones(len(toks), np.int8))).astype(np.float64))
@@ -215,7 +217,7 @@ def _logits_in_child(path: Path, toks: np.ndarray, tmp: Path, **env: str) -> np.
     ``env`` added to its environment (ggml-vulkan reads its switches once, when it enumerates the devices)."""
     np.save(tmp / "toks.npy", toks)
     run = subprocess.run([sys.executable, "-c", _CHILD_LOGITS, str(path), str(tmp / "toks.npy"),
-                          str(tmp / "logits.npy"), repr(_EXACT_CTX)], env={**os.environ, **env},
+                          str(tmp / "logits.npy"), json.dumps(_EXACT_CTX)], env={**os.environ, **env},
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-4000:]
     return np.load(tmp / "logits.npy")
