@@ -347,39 +347,6 @@ def test_pick_seq_falls_back_to_the_holder(model):
         assert (adm.source, adm.n_reused) == ("own", 8) and check(pc) == []
 
 
-def test_pick_seq_takes_over_the_holder_of_its_whole_prompt(model):
-    """The next turn of a chat holds its last prompt whole but its reply's tokens only in part (the reply's text
-    re-tokenized): it takes that parked sequence over, its old reply cut where they differ, evicting nothing.  A
-    request that shares only part of a parked sequence's prompt (the system prompt) gets another sequence."""
-    system, q1, reply, q2 = toks(24, 31), toks(6, 32), toks(10, 33), toks(5, 34)
-    prompt1 = np.concatenate([system, q1])
-    with ctx_of(model, n_seq_max=2) as c:
-        pc = PrefixCache(c, host=HostParams(budget=1 << 20))
-        served(pc, 1, toks(9, 35))                       # another parked sequence: the one a free id would evict
-        prefill(pc, prompt1, 0)
-        pc.advance([(0, reply[:-1], True)])              # the reply (its last token never decoded)
-        pc.release(0)
-        retok = np.concatenate([reply[:6], toks(3, 36)])  # the reply as the next prompt re-tokenizes it
-        turn2 = np.concatenate([prompt1, retok, q2])
-        n_shared = prompt1.size + 6
-        assert pc.match(turn2).n_tokens == n_shared < pc.seqs[0].tokens.size
-        assert pc.pick_seq(turn2) == 0
-        adm, logits = prefill(pc, turn2, 0)
-        assert (adm.source, adm.n_reused) == ("own", n_shared)
-        assert pc.stats.evictions == 0 and pc.stats.host_saves == 0 and sorted(pc.seqs) == [0, 1]
-        assert rel_err(logits, fresh_logits(model, turn2, n_seq_max=2)) < TOL
-        pc.release(0)
-        assert check(pc) == []
-        # the same prompt again (a regenerated reply) takes it over too: all of it but its last token is shared
-        assert pc.pick_seq(turn2) == 0
-        # another user with the same system prompt: sequence 0's prompt is not all there, so it is kept
-        other = np.concatenate([system, toks(6, 37)])
-        assert pc.match(other).seq_id == 0 and pc.pick_seq(other) == 1
-        adm, _ = prefill(pc, other, 1)
-        assert (adm.source, adm.n_reused) == ("device", 24) and pc.seqs[0].tokens.size == turn2.size
-        assert pc.stats.evictions == 1 and check(pc) == []
-
-
 def test_changes_behind_the_back_are_caught_as_stale(model):
     t = toks(12, 17)
     with ctx_of(model) as c:

@@ -181,7 +181,6 @@ class PrefixCache:
             self.seqs[seq_id] = e
             n, source, src = self._reuse(m, e), m.tier, m.seq_id
         e.active, e.last_used, e.retention, e.since = True, tick, retention, self.params.clock()
-        e.prompt_end = toks.size
         if n == 0:
             source, src = "none", -1
         st = self.stats
@@ -270,14 +269,8 @@ class PrefixCache:
         return victim.seq_id
 
     def pick_seq(self, tokens: Sequence[int], n_cache_reuse: int = 0) -> int:
-        """The sequence a server should attach ``tokens`` to: the parked sequence holding the longest prefix when
-        the request holds all of that sequence's prompt (the next turn of its chat, or the same prompt again: reused in
-        place, what follows the shared prefix cut, as llama-server rewrites its slot), else a free (or freed)
-        sequence -- never a parked sequence that only shares part of its prompt with the request (a system prompt
-        other requests share, a branch another request may still want).  Taking the holder over is cheaper than
-        freeing another sequence's id (its eviction reads its state into the host tier on the admission's path) and
-        copying the prefix; what is lost is the holder's old reply past the point where the new prompt differs (a
-        reply's text often re-tokenizes differently near its end).  With
+        """The sequence a server should attach ``tokens`` to: a parked sequence whose whole content the request
+        extends (reused in place), else a free (or freed) sequence -- never the best holder of its prefix.  With
         ``n_cache_reuse`` > 0, first the parked sequence whose chunks (:meth:`attach`) give the request more
         tokens than the longest cached prefix does (its content is rewritten in place, as llama-server's slot)."""
         toks = self.index.check_tokens(tokens)
@@ -291,8 +284,8 @@ class PrefixCache:
         if best >= 0:
             return best
         holder = m.entry if m.tier == "device" and not m.entry.active else None
-        if holder is not None and m.n_tokens >= min(_prompt_of(holder), toks.size - 1):
-            return m.seq_id  # the request goes on from the holder's prompt: its tail (a reply) is cut, if it differs
+        if holder is not None and m.n_tokens == holder.tokens.size:
+            return m.seq_id
         try:
             return self.free_seq(exclude=[m.seq_id] if m.tier == "device" else [])
         except ValueError:
@@ -565,8 +558,3 @@ def _label(h: Any) -> str:
     if isinstance(h, SeqEntry):
         return f"seq {h.seq_id}{'*' if h.active else ''}"
     return f"host #{h.key}{'' if h.blob is not None else ' (disk)'}"
-
-
-def _prompt_of(e: SeqEntry) -> int:
-    """Tokens of ``e``'s prompt still held (all of its tokens when the prompt is unknown: adopted or restored)."""
-    return e.tokens.size if e.prompt_end < 0 else min(e.prompt_end, e.tokens.size)

@@ -57,7 +57,6 @@ class SeqEntry:
     last_used: int = 0               # tick of its last use
     retention: Retention = field(default_factory=Retention)  # how strongly it is kept once released
     since: float = 0.0               # clock time the retention started
-    prompt_end: int = -1             # tokens of the prompt it was last attached with (-1: unknown: all of them)
 
     def __repr__(self) -> str:
         state = "active" if self.active else "parked"
