@@ -347,6 +347,27 @@ def test_pick_seq_falls_back_to_the_holder(model):
         assert (adm.source, adm.n_reused) == ("own", 8) and check(pc) == []
 
 
+def test_attach_without_reuse_decodes_everything_on_its_own_sequence(model):
+    """attach(reuse=False) on a parked sequence whose content the prompt extends: nothing is reused (the whole
+    prompt is left to decode), the old content goes to the host tier as any retired sequence, and the logits are
+    a fresh decode's; the new content is indexed as usual."""
+    t = toks(20, 41)
+    longer = np.concatenate([t, toks(5, 42)])
+    with ctx_of(model, n_seq_max=2) as c:
+        pc = PrefixCache(c, host=HostParams(budget=1 << 20))
+        served(pc, 0, t)
+        adm = pc.attach(longer, 0, reuse=False)
+        assert (adm.n_reused, adm.n_decoded, adm.source) == (0, 25, "none")
+        assert c.memory_seq_pos_max(0) == -1 and pc.stats.host_saves == 1
+        (row,) = pc.advance([(0, longer, True)])
+        assert rel_err(row, fresh_logits(model, longer, n_seq_max=2)) < TOL
+        pc.release(0)
+        assert check(pc) == []
+        m = pc.match(t)
+        assert (m.n_tokens, m.tier) == (20, "device")             # the new content holds it too
+        assert pc.match(np.append(t[:19], 3)).n_tokens == 19
+
+
 def test_changes_behind_the_back_are_caught_as_stale(model):
     t = toks(12, 17)
     with ctx_of(model) as c:

@@ -166,6 +166,33 @@ def test_shared_prefix_is_reused_between_requests(model):
         assert sb.tokens == alone(model, b, 4)[0]
 
 
+
+def test_cache_prompt_false_decodes_the_whole_prompt_and_keeps_nothing(model):
+    """llama-server's ``cache_prompt: false``: nothing cached is reused (the whole prompt is decoded, so the answer
+    does not depend on what the cache held) and nothing of the request stays; a parked sequence holding its prefix
+    is left as it was.  The same request with caching reuses that prefix."""
+    from kvcache_ggml.prefix import HostParams
+    vocab = Vocab.from_kv(model.gguf_kv)
+    a, b = prompts(2, 48, seed=5, shared=40)
+    with Context(model, params(n_seq=3)) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=1), PrefixParams(host=HostParams(budget=1 << 20)))
+        serve_all(eng, vocab, [a], 4)
+        held = ctx.kv.get_used()
+        jb, sb = job(vocab, b, 4)
+        jb.cache_prompt = False
+        eng.submit(jb)
+        eng.run_until_idle()
+        assert sb.done.usage.cached_tokens == 0 and eng.stats.computed_tokens == 48 + 48
+        assert sb.tokens == alone(model, b, 4)[0]
+        ref = alone(model, b, 1)[1][0]
+        first = eng.prefix.stats
+        assert first.host_saves == 0 and first.evictions == 1      # b's own sequence, dropped at its end
+        assert ctx.kv.get_used() == held and eng.prefix.match(a).n_tokens == a.size   # a's sequence as it was
+        assert check(eng.prefix) == []
+        jc, sc = job(vocab, b, 1)                                 # the same with caching: a's 40 tokens reused
+        eng.submit(jc)
+        eng.run_until_idle()
+        assert sc.done.usage.cached_tokens == 40 and sc.tokens == [int(np.argmax(ref))]
 def test_a_full_cache_ends_requests_with_length_and_never_crashes(model):
     """64 cells for three requests that would each take 60: the engine ends the last admitted ("length") as room
     runs out, and the others go on; every request gets its end event; the cells stay consistent."""

@@ -139,7 +139,7 @@ class PrefixCache:
     # ------------------------------------------------------------------ requests
 
     def attach(self, tokens: Sequence[int], seq_id: int, *, retention: Retention | None = None,
-               n_cache_reuse: int = 0) -> Admission:
+               n_cache_reuse: int = 0, reuse: bool = True) -> Admission:
         """Make ``seq_id`` hold the longest cached prefix of ``tokens`` (its own, ``seq_cp`` from another sequence,
         or a host blob; at most all but the last token) and mark it active, decoding nothing: ``n_decoded`` of the
         admission is the tokens left to decode with :meth:`advance` (in chunks the caller chooses; the last one's
@@ -148,7 +148,11 @@ class PrefixCache:
         ``n_cache_reuse`` N > 0 (llama-server's ``--cache-reuse``): after the common prefix of the sequence's own
         tokens, runs of at least N of them that reappear in the prompt are moved into place by K-shift
         (:mod:`.reuse`) and count as reused; the sequence is then indexed as holding the prompt's first
-        ``n_reused`` tokens (offered to later requests, as llama-server's slot offers them)."""
+        ``n_reused`` tokens (offered to later requests, as llama-server's slot offers them).
+
+        ``reuse=False``: nothing cached is reused for this request (as with ``PrefixParams.reuse`` off): the sequence
+        is emptied (its own content kept as a host blob like any retired sequence) and the whole prompt is left to
+        decode -- a result that does not depend on what the cache held (llama-server's ``cache_prompt: false``)."""
         toks = self.index.check_tokens(tokens)
         if toks.size == 0:
             raise ValueError("attach needs at least one token")
@@ -163,9 +167,9 @@ class PrefixCache:
         retention.check()
         tick = self._touch()
         limit = toks.size - 1
-        m = self.match(toks, limit)
-        own_n = common_prefix(own.tokens, toks, limit) if own is not None and self.params.reuse else 0
-        plan, shifted = self._chunk_plan(own, toks, n_cache_reuse), 0
+        m = self.match(toks, limit) if reuse else Match()
+        own_n = common_prefix(own.tokens, toks, limit) if own is not None and self.params.reuse and reuse else 0
+        plan, shifted = self._chunk_plan(own, toks, n_cache_reuse) if reuse else None, 0
         if plan is not None and min(plan.n_reused, limit) >= max(m.n_tokens, self.params.min_reuse, own_n + 1):
             n, source, src = self._shift_chunks(own, toks, plan), "own", seq_id
             shifted, e = plan.n_shifted - (plan.n_reused - n), own
@@ -176,7 +180,7 @@ class PrefixCache:
         else:
             if own is not None:
                 self._retire(own, keep=True)
-                m = self.match(toks, limit)  # the retirement may have changed the host tier
+                m = self.match(toks, limit) if reuse else m  # the retirement may have changed the host tier
             e = SeqEntry(seq_id, self.index.stream_of(seq_id), toks[:0].copy())
             self.seqs[seq_id] = e
             n, source, src = self._reuse(m, e), m.tier, m.seq_id

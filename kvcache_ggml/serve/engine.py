@@ -297,19 +297,24 @@ class Engine:
         deferred: list[Job] = []
         while self._waiting and len(self._running) < self.params.n_parallel:
             job = self._waiting[0]
-            if self._prefix_coming(job):
+            if job.cache_prompt and self._prefix_coming(job):
                 if job.state is _S.WAITING:
                     job.move(_S.WAITING_PREFIX)
                 deferred.append(self._waiting.popleft())
                 continue
             try:
                 n_reuse = self.params.cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
-                seq = job.id_slot if self._slot_idle(job.id_slot) else self.prefix.pick_seq(job.tokens, n_reuse)
+                if self._slot_idle(job.id_slot):
+                    seq = job.id_slot
+                elif job.cache_prompt:
+                    seq = self.prefix.pick_seq(job.tokens, n_reuse)
+                else:  # (nothing is reused: a free sequence, the parked ones kept as long as they can be)
+                    seq = self.prefix.free_seq()
             except ValueError:
                 break  # every sequence serves a request
             self._waiting.popleft()
             try:
-                adm = self.prefix.attach(job.tokens, seq, n_cache_reuse=n_reuse)
+                adm = self.prefix.attach(job.tokens, seq, n_cache_reuse=n_reuse, reuse=job.cache_prompt)
             except Exception as err:  # noqa: BLE001
                 self._end_error(job, f"admission failed: {err}")
                 continue

@@ -78,7 +78,8 @@ class Job:
     text: TextStream                       # its detokenizer with the stop strings
     emit: Callable[[Event], None]          # called on the engine thread with each event
     max_tokens: int | None = None          # most tokens to generate (None: until the context is full)
-    cache_prompt: bool = True              # keep its sequence in the prefix cache when done
+    cache_prompt: bool = True              # reuse cached prefixes for its prompt and keep its sequence cached
+    #                                        when done (False: the whole prompt decoded, nothing kept)
     top_logprobs: int = -1                 # -1: no logprobs; k >= 0: the sampled token's and the k best
     n_cache_reuse: int | None = None       # chunk reuse by K-shift, least tokens a chunk (None: the engine's)
     n_keep: int = 0                        # context shift: prompt tokens kept (-1: all; BOS counts apart)
