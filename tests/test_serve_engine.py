@@ -150,6 +150,71 @@ def test_chunked_prefill_gives_each_prompt_its_tokens_alone(model):
         check(eng.prefix)
 
 
+@pytest.mark.parametrize("apart", [0, 24])
+def test_prompt_chunks_apart_from_the_generating_tokens(model, apart):
+    """With prefill_apart (CPU flash attention), a step of at least that many tokens with fewer generating tokens
+    decodes its prompt chunks in a graph of their own: planned so, and every request's tokens and first logits are
+    its prompt's served alone, as with one graph."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    short, long_ = prompts(3, 5, seed=21), prompts(1, 40, seed=22)
+    refs = [alone(model, p, 8) for p in short + long_]
+    with Context(model, params()) as ctx:
+        assert ctx.cpu_only and ctx.cparams.flash_attn
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=4, prefill_apart=apart))
+        js = [job(vocab, p, 8) for p in short]
+        for j, s in js:
+            eng.submit(j)
+        eng.step()                                     # the three short prompts (15 tokens: one graph)
+        assert all(j.state is RequestState.DECODING for j, _ in js)
+        jl, sl = job(vocab, long_[0], 8)
+        eng.submit(jl)
+        plan = eng.plan()                              # 3 generating tokens + the 40-token prompt
+        assert plan.n_tokens == 43 and plan.n_apart == (3 if apart else 0)
+        eng.update(plan, eng.execute(plan))
+        assert jl.state is RequestState.DECODING and len(jl.generated) == 1
+        eng.run_until_idle()
+        for (j, s), (toks, rows) in zip(js + [(jl, sl)], refs):
+            assert s.tokens == toks
+            want = -np.log(np.exp(rows[0].astype(np.float64) - rows[0].max()).sum())  # greedy: the argmax's
+            assert s.events[0].logprobs[0].logprob == pytest.approx(want, abs=1e-5)      # log-softmax
+        assert check(eng.prefix) == [] and eng.stats.plan_misses == 0
+
+
+def test_a_failed_prompt_graph_leaves_the_generating_tokens_done(model):
+    """The second graph of a step apart fails for want of a slot (a failure injected into the prefix cache's
+    advance, as a sliding-window cache can meet): the generating requests keep their sampled token, the prompt chunk
+    is held (nothing of it decoded) and read at the next step; every output is still the prompt's served alone."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    short, long_ = prompts(2, 5, seed=23), prompts(1, 30, seed=24)
+    refs = [alone(model, p, 6)[0] for p in short + long_]
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=3, prefill_apart=16))
+        js = [job(vocab, p, 6) for p in short]
+        for j, _ in js:
+            eng.submit(j)
+        eng.step()
+        jl, sl = job(vocab, long_[0], 6)
+        eng.submit(jl)
+        real, calls = eng.prefix.advance, []
+
+        def advance(parts, all_rows=()):
+            calls.append(len(parts))
+            if len(calls) == 2:
+                from kvcache_ggml.runtime.context import DecodeError
+                raise DecodeError(1, "no memory slot (injected)")
+            return real(parts, all_rows)
+        eng.prefix.advance = advance
+        used = ctx.kv.get_used()
+        eng.step()
+        del eng.prefix.advance
+        assert calls == [2, 1] and ctx.kv.get_used() == used + 2
+        assert [len(j.generated) for j, _ in js] == [2, 2] and jl.state is RequestState.PREFILL and jl.fed == 0
+        assert eng.stats.plan_misses == 1
+        eng.run_until_idle()
+        for (j, s), ref in zip(js + [(jl, sl)], refs):
+            assert s.tokens == ref
+        assert check(eng.prefix) == []
+
 def test_shared_prefix_is_reused_between_requests(model):
     vocab = Vocab.from_kv(model.gguf_kv)
     a, b = prompts(2, 48, seed=4, shared=40)

@@ -431,7 +431,25 @@ def _bench(L, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
     return {"prompt_s": best_p, "gen_s": best_g, "decode_s": best_d, "cpu_s": best_c}
 
 
-_BENCH_OPS = {"bench": _bench, "bench_prompt": _bench_prompt, "bench_steps": _bench_steps}
+def _bench_batches(L, mem, decode, op, n_vocab):  # pragma: no cover - oracle side
+    """``reps`` times: the ``batches`` ({tokens, pos, seq, logits}, one sequence id a token) decoded in turn (their
+    logits left in llama.cpp's buffer), then the ``undo`` calls of ``llama_memory_seq_rm``; the llama_decode
+    seconds of each rep."""
+    del n_vocab
+    times = []
+    for _ in range(op.get("reps", 1)):
+        d0 = decode.spent
+        for b in op["batches"]:
+            ret, _ = decode(b["tokens"], b["pos"], [[s] for s in b["seq"]], b["logits"], copy=False)
+            assert ret == 0, ret
+        times.append(decode.spent - d0)
+        for args in op.get("undo", []):
+            L.llama_memory_seq_rm(mem, *args)
+    return {"times": times}
+
+
+_BENCH_OPS = {"bench": _bench, "bench_prompt": _bench_prompt, "bench_steps": _bench_steps,
+              "bench_batches": _bench_batches}
 
 
 if __name__ == "__main__":
