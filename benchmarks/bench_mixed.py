@@ -5,10 +5,10 @@
 
 The step of a continuous-batching server while a new request reads its prompt: ``--n-gen`` sequences of
 ``--context`` tokens each generate one token, and a new sequence reads a chunk of N tokens (last token output).
-llama-server decodes the two together in one batch, as the engine did before ``EngineParams.prefill_apart``; the
-engine now decodes them as two graphs (the generating tokens, then the prompt chunk) when the step has at least 64
-tokens (ggml's CPU flash attention tiles a graph of 64 or more tokens in 64-row tiles; docs/serving.md, "One graph
-or two").  Unified cache, flash attention, F16 cache, ``--threads`` threads on both sides, the same GGUF.
+llama-server and the engine decode the two together in one batch; two graphs (the generating tokens, then the
+prompt chunk) are measured beside it, since ggml's CPU flash attention tiles a graph of 64 or more tokens in 64-row
+tiles (docs/serving.md, "One graph or two": faster here, not in the server, so the engine keeps one graph).  Unified
+cache, flash attention, F16 cache, ``--threads`` threads on both sides, the same GGUF.
 
 Columns (median ms of ``--reps`` steps, the sides alternating step by step so that a busy machine slows them
 alike, each after ``--quiet-ms`` of sleep): llama.cpp with one batch (``llama_decode`` alone) and with two; ours with one graph and two

@@ -422,11 +422,6 @@ class Context:
                              f"{np.flatnonzero(self.output_ids >= 0).tolist()})")
         return self.logits[self.output_ids[i]]
 
-    @property
-    def cpu_only(self) -> bool:
-        """Whether every graph runs on the CPU backend alone (no other device's backend in the scheduler)."""
-        return len(self._backends) == 1
-
     def node_backends(self) -> list[tuple[str, str, str]]:
         """(node name, op name, backend name) of every node of the graph the last decode computed, as the scheduler
         assigned them (``ggml_backend_sched_get_tensor_backend``): which device really ran each op, e.g. that the

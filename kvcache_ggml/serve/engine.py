@@ -12,9 +12,7 @@ Every step is three calls, as vLLM v1 splits it (``schedule`` / execute / ``upda
   requests alone, the request admitted last is the victim: it ends with ``finish_reason`` "length", or goes back to
   the queue if it has no output yet (what it read stays cached for its next admission).  The result is a typed
   :class:`StepPlan`.
-- :meth:`Engine.execute` decodes the plan's batch: one :meth:`PrefixCache.advance`, one ``llama_decode``; or,
-  when the plan says so (``StepPlan.n_apart``: CPU flash attention, a step of ``prefill_apart`` tokens or more),
-  two: the generating requests' tokens, then the prompt chunks.
+- :meth:`Engine.execute` decodes the plan's batch: one :meth:`PrefixCache.advance`, one ``llama_decode``.
 - :meth:`Engine.update` applies the logits: prompt progress, one sampled token per request that asked for logits
   (its :class:`Sampler`), text through its :class:`~.text.TextStream` (UTF-8 safe, stop strings held back), and the
   end of a request: an end-of-generation token or a stop string ("stop"), ``max_tokens`` or the sequence's context
@@ -75,13 +73,6 @@ class Engine:
             drafter.bind(vocab, int(ctx.model.n_vocab), self.prefix.n_seq)
         self.drafter = drafter                         # speculative decoding's drafts (None: none)
         self.budget = self.params.step_tokens or n_batch
-        # ggml's CPU flash attention computes a graph of 64 tokens or more in tiles of 64 query rows, each over every
-        # cache cell one of its rows may see: a generating request's token, whose sequence may lie anywhere in the
-        # cache, then costs a whole tile over all the cells, and so do the prompt tokens sharing its tile.  Apart,
-        # those tokens take ggml's one-row path and the prompt's tiles skip the cells it cannot see (measured: a
-        # step of 8 generating requests and a 128-token prompt chunk in 0.77x the time of one graph with the bench
-        # model, 0.51x with an 8-layer n_embd 1024 one; docs/serving.md, "One graph or two")
-        self.apart = self.params.prefill_apart if ctx.cparams.flash_attn and ctx.cpu_only else 0
         self.n_ctx_seq = int(ctx.n_ctx_seq())
         self.can_shift = bool(ctx.memory_can_shift())  # cache reuse and context shifts need it
         if (self.params.cache_reuse or self.params.context_shift) and not self.can_shift:
@@ -286,10 +277,6 @@ class Engine:
             chunks, held = [], []
         plan.chunks, plan.held = chunks, held
         plan.n_tokens = sum(c.tokens.size for c in chunks)
-        if self.apart and plan.n_tokens >= self.apart:
-            n_dec = sum(c.job.state is _S.DECODING for c in chunks)  # (they come first)
-            if 0 < n_dec < len(chunks) and sum(c.tokens.size for c in chunks[:n_dec]) < self.apart:
-                plan.n_apart = n_dec
         return plan
 
     def _expire(self) -> None:
@@ -434,36 +421,11 @@ class Engine:
     # ------------------------------------------------------------------ execute and update
 
     def execute(self, plan: StepPlan) -> list[np.ndarray | None]:
-        """Decode the plan's batch: per chunk, the float32 [n_vocab] logits of its last token (a row of the decode's
-        own array) when it samples, else None; a chunk with a draft gets [1 + n_draft, n_vocab], a row per token.
-        One call, or with ``plan.n_apart`` two: the generating requests' tokens, then the prompt chunks.  When the
-        second fails after the first was decoded, the prompt chunks leave the plan -- held for the next step when
-        the cache had no slot for them (nothing of them was decoded), ended with the error otherwise -- and the
-        first call's rows are returned."""
-        k = plan.n_apart
-        if not k:
-            return self._advance(plan.chunks)
-        rows = self._advance(plan.chunks[:k])
-        rest = plan.chunks[k:]
-        try:
-            return rows + self._advance(rest)
-        except DecodeError as err:
-            if err.code == 1:
-                self.stats.plan_misses += 1
-                plan.held += [c.job for c in rest]
-            else:
-                for c in rest:
-                    self._end_error(c.job, f"decode failed: {err}")
-        except Exception as err:  # noqa: BLE001 -- the first graph's requests go on; these get the error
-            for c in rest:
-                self._end_error(c.job, f"decode failed: {err}")
-        plan.chunks, plan.n_apart = plan.chunks[:k], 0
-        plan.n_tokens = sum(c.tokens.size for c in plan.chunks)
-        return rows
-
-    def _advance(self, chunks: list[Chunk]) -> list[np.ndarray | None]:
-        return self.prefix.advance([(c.job.seq, c.tokens, c.sample) for c in chunks],
-                                   all_rows=[i for i, c in enumerate(chunks) if c.n_draft])
+        """Decode the plan's batch in one call: per chunk, the float32 [n_vocab] logits of its last token (a row of
+        the decode's own array) when it samples, else None; a chunk with a draft gets [1 + n_draft, n_vocab], a
+        row per token."""
+        return self.prefix.advance([(c.job.seq, c.tokens, c.sample) for c in plan.chunks],
+                                   all_rows=[i for i, c in enumerate(plan.chunks) if c.n_draft])
 
     def update(self, plan: StepPlan, rows: list[np.ndarray | None]) -> None:
         """Apply a decoded step: prompt progress, then one sampled token per chunk that asked for logits (a token

@@ -33,9 +33,6 @@ class EngineParams:
     #                                (serve/shift.py); False: it ends ("length")
     draft_max: int = 16            # with a drafter: most draft tokens verified per request and step (llama.cpp's)
     draft_min: int = 0             # with a drafter: a shorter draft is not verified (the request decodes one token)
-    prefill_apart: int = 64        # a step of at least this many tokens whose generating requests have fewer decodes
-    #                                its prompt chunks in a graph of their own (CPU flash attention only; 0: never);
-    #                                see Engine.plan and docs/serving.md, "One graph or two"
 
     def check(self, n_seq: int, n_batch: int) -> None:
         if not 1 <= self.n_parallel <= n_seq:
@@ -52,8 +49,6 @@ class EngineParams:
                              f"{self.draft_max}, draft_min {self.draft_min}")
         if self.cache_reuse < 0:
             raise ValueError(f"cache_reuse must be >= 0 (0: off), got {self.cache_reuse}")
-        if self.prefill_apart < 0:
-            raise ValueError(f"prefill_apart must be >= 0 (0: one graph a step), got {self.prefill_apart}")
 
 
 @dataclass(slots=True)
@@ -110,5 +105,3 @@ class StepPlan:
     admitted: list[Job] = field(default_factory=list)     # requests admitted by this plan
     held: list[Job] = field(default_factory=list)         # reading requests whose chunk waits for room
     victims: list[Job] = field(default_factory=list)      # requests ended or sent back to the queue for room
-    n_apart: int = 0               # > 0: the first n_apart chunks (the generating requests') are decoded in a graph
-    #                                of their own, then the prompt chunks in another; 0: one graph
