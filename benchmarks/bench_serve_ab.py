@@ -1,0 +1,123 @@
+"""bench_serve.py's chat workload with both servers up at once, alternating run by run.
+
+    python benchmarks/bench_serve_ab.py [--users 1] [--rounds 16] [--turns 3] [--system 300] [--reply 32]
+
+bench_serve.py runs one server after the other, each run on freshly started servers; on this shared 2-core machine
+runs of the same code differ by more than 10 %, more than the gaps it is meant to show.  Here ours and llama-server
+(the same GGUF and flags as bench_serve.py) are started once per user count and warmed, then ``--rounds`` rounds
+each run the workload on both, in alternating order (ours first in even rounds), with a new seed per round: new
+conversations, while the caches keep what the earlier rounds left (a server in its steady state).  A slow spell of
+the machine then falls on both servers alike.
+
+Per server: output tokens/s (median of the rounds); TTFT p50 / p90 over all requests; the reply after its first
+token, p50 per request (``decode``); the server process's CPU seconds per round (user + system, from ``/proc``:
+Linux only); and the ratios ours / llama-server.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import (LLAMA_SERVER, free_port, make_bench_model, partial_utf8_tokens, run_workload,  # noqa: E402
+                         server_cmd, wait_ready, warm_request)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads); NaN where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def rounds(kinds: list[str], model: Path, users: int, a: argparse.Namespace, log: Path,
+           bias: dict[str, float]) -> dict[str, dict[str, list[float]]]:
+    """Both servers up, ``a.rounds`` alternating rounds; per server its per-round and per-request figures."""
+    procs, urls = {}, {}
+    res = {k: {"tok/s": [], "ttft": [], "decode": [], "cpu": []} for k in kinds}
+    with open(log, "ab") as out:
+        try:
+            for kind in kinds:
+                port = free_port()
+                procs[kind] = subprocess.Popen(server_cmd(kind, model, port, a, users), stdout=out,
+                                               stderr=subprocess.STDOUT)
+                urls[kind] = f"http://127.0.0.1:{port}"
+            for kind in kinds:
+                wait_ready(urls[kind], procs[kind])
+                warm_request(urls[kind], bias)
+            for r in range(a.rounds):
+                for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                    c0 = cpu_seconds(procs[kind].pid)
+                    run = run_workload(urls[kind], users, a, seed=100 + r, bias=bias)
+                    d = res[kind]
+                    d["cpu"].append(cpu_seconds(procs[kind].pid) - c0)
+                    if run.errors:
+                        print(f"  {kind}: {len(run.errors)} errors, e.g. {run.errors[0]}")
+                    d["tok/s"].append(sum(s.completion for s in run.samples) / run.wall)
+                    d["ttft"] += [s.ttft for s in run.samples]
+                    d["decode"] += [s.seconds - s.ttft for s in run.samples]
+        finally:
+            for p in procs.values():
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, nargs="+", default=[1])
+    ap.add_argument("--rounds", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--system", type=int, default=300, help="words of the shared system prompt (about 1 token each)")
+    ap.add_argument("--reply", type=int, default=32, help="tokens per reply")
+    ap.add_argument("--n-ctx", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--ubatch", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
+    ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "kvcache_bench_serve.gguf")
+    a = ap.parse_args()
+    model = make_bench_model(a.model)
+    kinds = ["ours", "llama"]
+    if not LLAMA_SERVER.exists():
+        print(f"({LLAMA_SERVER} missing: bash scripts/build_reference.sh --server; our rows only)")
+        kinds = ["ours"]
+    log = Path(tempfile.gettempdir()) / "bench_serve.log"
+    bias = partial_utf8_tokens(model)
+    print(f"model {model.name}; -c {a.n_ctx} -b {a.batch} -ub {a.ubatch} -t {a.threads} -fa on -kvu; {a.turns} turns, "
+          f"system ~{a.system} tokens, replies {a.reply} tokens; {a.rounds} alternating rounds; servers' output in "
+          f"{log}")
+    print(f"{'users':>5} {'server':>6} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'decode p50':>11} {'CPU/round':>10}")
+    for users in a.users:
+        res = rounds(kinds, model, users, a, log, bias)
+        row = {}
+        for kind in kinds:
+            d = res[kind]
+            row[kind] = (statistics.median(d["tok/s"]), float(np.percentile(d["ttft"], 50)),
+                         float(np.percentile(d["ttft"], 90)), float(np.percentile(d["decode"], 50)),
+                         statistics.median(d["cpu"]))
+            t, p50, p90, dec, cpu = row[kind]
+            print(f"{users:>5} {kind:>6} {t:>8.1f} {p50 * 1e3:>7.1f}ms {p90 * 1e3:>7.1f}ms {dec * 1e3:>9.1f}ms "
+                  f"{cpu:>9.3f}s", flush=True)
+        if len(row) == 2:
+            o, l = row["ours"], row["llama"]
+            print(f"{users:>5} {'ratio':>6} {o[0] / l[0]:>7.2f}x {o[1] / l[1]:>8.2f}x {o[2] / l[2]:>8.2f}x "
+                  f"{o[3] / l[3]:>10.2f}x {o[4] / l[4]:>9.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
