@@ -502,19 +502,24 @@ def spec_main(a: argparse.Namespace, kinds: list[str], log: Path) -> int:
     return 0
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
+def add_chat_args(ap: argparse.ArgumentParser) -> None:
+    """The chat workload's and the servers' options (here and in bench_serve_ab.py)."""
     ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--system", type=int, default=300, help="words of the shared system prompt (about 1 token each)")
     ap.add_argument("--reply", type=int, default=32, help="tokens per reply")
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--ubatch", type=int, default=512)
     ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
-    ap.add_argument("--only", choices=("ours", "llama"), default=None)
     ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "kvcache_bench_serve.gguf")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--users", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--runs", type=int, default=3)
+    add_chat_args(ap)
+    ap.add_argument("--only", choices=("ours", "llama"), default=None)
     ap.add_argument("--restore", type=int, default=0, metavar="N",
                     help="run the slot-restore scenario instead: TTFT of a restored N-token conversation against "
                          "recomputing it, both servers")

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import (LLAMA_SERVER, free_port, make_bench_model, partial_utf8_tokens, run_workload,  # noqa: E402
-                         server_cmd, wait_ready, warm_request)
+from bench_serve import (LLAMA_SERVER, add_chat_args, free_port, make_bench_model,  # noqa: E402
+                         partial_utf8_tokens, run_workload, server_cmd, wait_ready, warm_request)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -81,14 +81,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--users", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=3)
-    ap.add_argument("--system", type=int, default=300, help="words of the shared system prompt (about 1 token each)")
-    ap.add_argument("--reply", type=int, default=32, help="tokens per reply")
-    ap.add_argument("--n-ctx", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=2048)
-    ap.add_argument("--ubatch", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
-    ap.add_argument("--model", type=Path, default=Path(tempfile.gettempdir()) / "kvcache_bench_serve.gguf")
+    add_chat_args(ap)
     a = ap.parse_args()
     model = make_bench_model(a.model)
     kinds = ["ours", "llama"]
