@@ -233,12 +233,18 @@ def one(kind: str, model: Path, users: int, a: argparse.Namespace, seed: int, lo
             warm_request(f"http://127.0.0.1:{port}", bias)
             return run_workload(f"http://127.0.0.1:{port}", users, a, seed, bias)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop([proc])
+
+
+def stop(procs) -> None:
+    """Terminate the servers (killed after 30 s)."""
+    for p in procs:
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def summary(runs: list[Run], model: Path) -> dict[str, float]:
@@ -302,12 +308,7 @@ def reuse_run(kind: str, model: Path, n_reuse: int, a: argparse.Namespace, log: 
                 computed += int(timings["prompt_n"]) if timings else r.usage.prompt_tokens - cached
                 secs.append(dt)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop([proc])
     return {"prompt": prompt, "computed": computed, "p50": statistics.median(secs), "total": sum(secs)}
 
 
@@ -372,12 +373,7 @@ def restore_run(kind: str, model: Path, a: argparse.Namespace, log: Path, bias: 
                              "computed_after": restore_computed(kind, after),
                              "computed_scratch": restore_computed(kind, scratch)})
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop([proc])
     return rows
 
 
@@ -437,9 +433,9 @@ def spec_run(kind: str, mode: str, models: tuple[Path, Path], prompts: list[list
              log: Path, bias: dict[str, float]) -> dict:
     """One server, every user's prompt at once (greedy, ``--spec-reply`` tokens): output tokens/s over the wall
     time, the texts, and the draft tokens verified and accepted (ours: /metrics; llama-server: timings)."""
-    port, users = free_port(), len(prompts)
-    cmd = server_cmd(kind, models[0], port, a, users) + spec_flags(kind, mode, models[1], a)
-    texts: list[str] = [""] * users
+    port = free_port()
+    cmd = server_cmd(kind, models[0], port, a, len(prompts)) + spec_flags(kind, mode, models[1], a)
+    texts: list[str] = [""] * len(prompts)
     drafted = accepted = 0
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -447,19 +443,7 @@ def spec_run(kind: str, mode: str, models: tuple[Path, Path], prompts: list[list
             url = f"http://127.0.0.1:{port}"
             wait_ready(url, proc)
             spec_post(url, {"prompt": [400, 401, 402], "max_tokens": 4, "temperature": 0})  # (warm-up)
-            answers: list[dict] = [{}] * users
-
-            def user(u: int) -> None:
-                answers[u] = spec_post(url, {"prompt": prompts[u], "max_tokens": a.spec_reply, "temperature": 0,
-                                             "ignore_eos": True, "logit_bias": bias})
-
-            threads = [threading.Thread(target=user, args=(u,)) for u in range(users)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            wall = time.perf_counter() - t0
+            tok_s, answers = spec_answers(url, prompts, a, bias)
             for u, ans in enumerate(answers):
                 texts[u] = ans["choices"][0]["text"]
                 tm = ans.get("timings") or {}
@@ -468,11 +452,36 @@ def spec_run(kind: str, mode: str, models: tuple[Path, Path], prompts: list[list
                 with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
                     m = dict(ln.split() for ln in r.read().decode().splitlines() if ln and ln[0] != "#")
                 drafted, accepted = int(m["kvcache_draft_n_total"]), int(m["kvcache_draft_n_accepted_total"])
-            n_out = sum(ans["usage"]["completion_tokens"] for ans in answers)
         finally:
-            proc.terminate()
-            proc.wait(30)
-    return {"tok/s": n_out / wall, "texts": texts, "drafted": drafted, "accepted": accepted}
+            stop([proc])
+    return {"tok/s": tok_s, "texts": texts, "drafted": drafted, "accepted": accepted}
+
+
+def spec_answers(url: str, prompts: list[list[int]], a: argparse.Namespace, bias: dict[str, float],
+                 **extra) -> tuple[float, list[dict]]:
+    """Every user's prompt at once (greedy, ``--spec-reply`` tokens; ``extra`` in each body): output tokens/s over
+    the wall time, and the answers."""
+    answers: list[dict] = [{}] * len(prompts)
+
+    def user(u: int) -> None:
+        answers[u] = spec_post(url, {"prompt": prompts[u], "max_tokens": a.spec_reply, "temperature": 0,
+                                     "ignore_eos": True, "logit_bias": bias, **extra})
+
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(len(prompts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(ans["usage"]["completion_tokens"] for ans in answers) / (time.perf_counter() - t0), answers
+
+
+def add_spec_args(ap: argparse.ArgumentParser) -> None:
+    """The speculative workload's options (here and in bench_serve_ab.py)."""
+    ap.add_argument("--spec-draft-max", type=int, default=16, help="speculative: --draft-max (default %(default)s)")
+    ap.add_argument("--spec-p-min", type=float, default=0.75,
+                    help="speculative: -md --draft-p-min, both servers (default %(default)s, llama-server's)")
+    ap.add_argument("--spec-reply", type=int, default=96, help="speculative: reply tokens (default %(default)s)")
 
 
 def spec_main(a: argparse.Namespace, kinds: list[str], log: Path) -> int:
@@ -532,10 +541,7 @@ def main() -> int:
     ap.add_argument("--spec", action="store_true",
                     help="run the speculative decoding scenario instead (a reply that repeats its prompt): each "
                          "server without drafts, with -md and with prompt lookup")
-    ap.add_argument("--spec-draft-max", type=int, default=16, help="speculative: --draft-max (default %(default)s)")
-    ap.add_argument("--spec-p-min", type=float, default=0.75,
-                    help="speculative: -md --draft-p-min, both servers (default %(default)s, llama-server's)")
-    ap.add_argument("--spec-reply", type=int, default=96, help="speculative: reply tokens (default %(default)s)")
+    add_spec_args(ap)
     a = ap.parse_args()
     if a.spec:
         kinds = [k for k in ("ours", "llama") if a.only in (None, k) and (k == "ours" or LLAMA_SERVER.exists())]

@@ -12,6 +12,12 @@ the machine then falls on both servers alike.
 Per server: output tokens/s (median of the rounds); TTFT p50 / p90 over all requests; the reply after its first
 token, p50 per request (``decode``); the server process's CPU seconds per round (user + system, from ``/proc``:
 Linux only); and the ratios ours / llama-server.
+
+``--spec``: bench_serve.py's speculative workload instead (``--spec`` there), with six servers up at once: each of
+ours and llama-server without drafts, with ``-md`` and with prompt lookup.  Every round runs each server once, in a
+rotating order, on prompts of its own (made as bench_serve.py makes them, fewer tries each), the same for the six
+servers: no request repeats an earlier one, so neither a server's cache nor a draft model's helps.  The speedup of
+a mode is the median over the rounds of its tokens/s over the same server's without drafts in that round.
 """
 from __future__ import annotations
 
@@ -22,12 +28,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import IO, Callable
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import (LLAMA_SERVER, add_chat_args, free_port, make_bench_model,  # noqa: E402
-                         partial_utf8_tokens, run_workload, server_cmd, wait_ready, warm_request)
+from bench_serve import (CHATML, GPT2_VOCAB, LLAMA_SERVER, SPEC_MODES, add_chat_args, add_spec_args,  # noqa: E402
+                         free_port, make_bench_model, partial_utf8_tokens, run_workload, server_cmd, spec_answers,
+                         spec_flags, spec_post, stop, wait_ready, warm_request)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -48,10 +56,7 @@ def rounds(kinds: list[str], model: Path, users: int, a: argparse.Namespace, log
     with open(log, "ab") as out:
         try:
             for kind in kinds:
-                port = free_port()
-                procs[kind] = subprocess.Popen(server_cmd(kind, model, port, a, users), stdout=out,
-                                               stderr=subprocess.STDOUT)
-                urls[kind] = f"http://127.0.0.1:{port}"
+                procs[kind], urls[kind] = start(lambda port, kind=kind: server_cmd(kind, model, port, a, users), out)
             for kind in kinds:
                 wait_ready(urls[kind], procs[kind])
                 warm_request(urls[kind], bias)
@@ -67,14 +72,49 @@ def rounds(kinds: list[str], model: Path, users: int, a: argparse.Namespace, log
                     d["ttft"] += [s.ttft for s in run.samples]
                     d["decode"] += [s.seconds - s.ttft for s in run.samples]
         finally:
-            for p in procs.values():
-                p.terminate()
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop(procs.values())
     return res
+
+
+def start(cmd: Callable[[int], list[str]], out: IO[bytes]) -> tuple[subprocess.Popen, str]:
+    """A server started with the command ``cmd(port)`` on a free port; (its process, its URL)."""
+    port = free_port()
+    return subprocess.Popen(cmd(port), stdout=out, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+
+
+def spec_main(a: argparse.Namespace, kinds: list[str], log: Path) -> int:
+    """The speculative rows with every server up at once, alternating (see the module docstring)."""
+    from _spec_models import spec_models, spec_prompts
+
+    tmp = Path(tempfile.gettempdir())
+    target, draft = spec_models(tmp / "kvcache_bench_spec_target.gguf", tmp / "kvcache_bench_spec_draft.gguf",
+                                GPT2_VOCAB, CHATML)
+    bias = partial_utf8_tokens(target)
+    keys = [(k, m) for k in kinds for m in SPEC_MODES]
+    print(f"target {target.name}, draft {draft.name}; --draft-max {a.spec_draft_max}, -md --draft-p-min "
+          f"{a.spec_p_min}; replies {a.spec_reply} tokens; -t {a.threads}; {a.rounds} rounds, every server up")
+    print(f"{'users':>5} {'server':>6} {'mode':>6} {'tok/s':>8} {'speedup':>8}")
+    for users in a.users:
+        pool = spec_prompts(target, users * a.rounds, a.spec_reply, [int(t) for t in bias], tries=2)
+        tok_s: dict = {key: [] for key in keys}
+        with open(log, "ab") as out:
+            servers = {key: start(lambda port, key=key: server_cmd(key[0], target, port, a, users)
+                                  + spec_flags(key[0], key[1], draft, a), out) for key in keys}
+            try:
+                for proc, url in servers.values():
+                    wait_ready(url, proc)
+                    spec_post(url, {"prompt": [400, 401, 402], "max_tokens": 4, "temperature": 0})  # (warm-up)
+                for r in range(a.rounds):
+                    prompts = pool[r * users:(r + 1) * users]
+                    for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                        tok_s[key].append(spec_answers(servers[key][1], prompts, a, bias)[0])
+            finally:
+                stop(p for p, _ in servers.values())
+        for kind, mode in keys:
+            ratios = [t / b for t, b in zip(tok_s[(kind, mode)], tok_s[(kind, "none")])]
+            print(f"{users:>5} {kind:>6} {mode:>6} {statistics.median(tok_s[(kind, mode)]):>8.1f} "
+                  f"{statistics.median(ratios):>7.2f}x", flush=True)
+    return 0
 
 
 def main() -> int:
@@ -82,13 +122,17 @@ def main() -> int:
     ap.add_argument("--users", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=16)
     add_chat_args(ap)
+    ap.add_argument("--spec", action="store_true", help="the speculative workload instead (see above)")
+    add_spec_args(ap)
     a = ap.parse_args()
-    model = make_bench_model(a.model)
     kinds = ["ours", "llama"]
     if not LLAMA_SERVER.exists():
         print(f"({LLAMA_SERVER} missing: bash scripts/build_reference.sh --server; our rows only)")
         kinds = ["ours"]
     log = Path(tempfile.gettempdir()) / "bench_serve.log"
+    if a.spec:
+        return spec_main(a, kinds, log)
+    model = make_bench_model(a.model)
     bias = partial_utf8_tokens(model)
     print(f"model {model.name}; -c {a.n_ctx} -b {a.batch} -ub {a.ubatch} -t {a.threads} -fa on -kvu; {a.turns} turns, "
           f"system ~{a.system} tokens, replies {a.reply} tokens; {a.rounds} alternating rounds; servers' output in "
