@@ -328,6 +328,35 @@ def test_every_transition_is_driven_and_no_other_is_allowed(model):
     assert j.state is RequestState.WAITING and j.history == []
 
 
+def test_the_wake_comes_once_a_step_that_emitted(model):
+    """set_wake: the function is called once after each step that emitted events, however many requests did, and
+    not after a step that emitted none; the events themselves arrive through each job's emit, in order."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    ps = prompts(1, 20, seed=31) + prompts(2, 6, seed=32)   # (the first steps read the long prompt: no event)
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=3, step_tokens=8))
+        wakes = []
+        eng.set_wake(lambda: wakes.append(eng.stats.steps))
+        js = [job(vocab, p, 3) for p in ps]
+        for j, _ in js:
+            eng.submit(j)
+        counts = []
+        while eng.n_running or eng.queue_depth:
+            before = len(wakes)
+            n_events = sum(len(s.events) for _, s in js)
+            eng.step()
+            emitted = sum(len(s.events) for _, s in js) - n_events
+            counts.append((emitted, len(wakes) - before))
+        assert all(w == (1 if e else 0) for e, w in counts), counts
+        assert counts[0] == (0, 0) and max(e for e, _ in counts) > 1   # a step with no event; one with several
+        for (j, s), p in zip(js, ps):
+            assert s.done.finish_reason == "length" and s.tokens == alone(model, p, 3)[0]
+        eng.start()
+        with pytest.raises(RuntimeError, match="before start"):
+            eng.set_wake(None)
+        eng.stop()
+
+
 def test_plan_execute_update_are_separate_steps(model):
     """plan() claims the room and admits without decoding; execute() decodes exactly the plan's tokens; update()
     samples: the cells grow by the plan's n_tokens, and the first token equals the prompt served alone."""

@@ -16,9 +16,10 @@ Every failure is OpenAI's error object ``{"error": {"message", "type", "param", 
 * 500 -- the engine failed the request (its message says why); a stream that fails after its first chunk ends with
   an error event and ``[DONE]``.
 
-A request runs on the engine thread; its events cross to the event loop with ``call_soon_threadsafe``.  A client
-that goes away -- a stream's connection closed, or a plain request's -- cancels its request: the engine releases
-its sequence at the next step.
+A request runs on the engine thread; its events cross to the event loop through one outbox (:class:`_Outbox`): the
+engine thread queues them and, once after each step, wakes the loop with one ``call_soon_threadsafe`` for all of
+them (``Engine.set_wake``).  A client that goes away -- a stream's connection closed, or a plain request's --
+cancels its request: the engine releases its sequence at the next step.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import hmac
 import json
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -76,6 +78,30 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+class _Outbox:
+    """The engine's events on their way to the event loop.  ``put`` runs on the engine thread for every event and
+    only appends to a deque (no system call: the engine thread keeps the GIL); ``wake`` runs there once after each
+    step that emitted events and schedules ``drain`` on the loop, which hands every event queued so far to its
+    request's queue, in order.  One wake-up a step for all requests, where one per event would let the loop thread
+    take the GIL from the engine thread once a request and step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: deque[tuple[asyncio.Queue, Event]] = deque()
+
+    def put(self, queue: asyncio.Queue, ev: Event) -> None:
+        self.items.append((queue, ev))
+
+    def wake(self) -> None:
+        self.loop.call_soon_threadsafe(self.drain)
+
+    def drain(self) -> None:
+        items = self.items
+        while items:
+            queue, ev = items.popleft()
+            queue.put_nowait(ev)
+
+
 class _Prepared:
     """A parsed request turned into a job, and what its answer needs."""
 
@@ -99,6 +125,8 @@ def make_app(svc: Service) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        api.outbox = _Outbox(asyncio.get_running_loop())
+        svc.engine.set_wake(api.outbox.wake)
         svc.engine.start()
         try:
             yield
@@ -130,6 +158,7 @@ class _Api:
         self.eog = np.array([t for t in range(self.n_vocab) if vocab.is_eog(t)], np.int32)
         self.chat = ChatFormatter(vocab, svc.template, svc.model_name)   # /v1/chat/completions
         self.completion = CompletionFormatter(vocab)                     # /v1/completions
+        self.outbox: _Outbox | None = None                               # set when the app starts (lifespan)
 
     def warm_up(self) -> None:
         """Run the text side once -- parsing, the chat template, the tokenizer, a chunk's JSON -- so that the first
@@ -182,8 +211,10 @@ class _Api:
         req.check_vocab(self.n_vocab)
         tokens = fmt.prompt(req)
         sp = req.sampling
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
+        outbox = self.outbox
+        if outbox is None:  # (the app was not started through its lifespan)
+            raise RuntimeError("the app's lifespan did not run: start it with uvicorn (lifespan='on')")
         cache_prompt = body.get("cache_prompt", True)  # llama-server's extension
         if not isinstance(cache_prompt, bool):
             raise P.RequestError(f"cache_prompt must be a boolean, got {cache_prompt!r}", param="cache_prompt")
@@ -192,7 +223,7 @@ class _Api:
         if isinstance(id_slot, bool) or not isinstance(id_slot, int) or not -1 <= id_slot < n_seq:
             raise P.RequestError(f"id_slot must be -1 or a slot in [0, {n_seq}), got {id_slot!r}", param="id_slot")
         job = Job(tokens, Sampler(sp, self.n_vocab, self.eog), TextStream(self.vocab, sp.stop),
-                  lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), max_tokens=sp.max_tokens,
+                  lambda ev: outbox.put(queue, ev), max_tokens=sp.max_tokens,
                   cache_prompt=cache_prompt, top_logprobs=sp.top_logprobs if sp.logprobs else -1, id_slot=id_slot)
         shift = P.parse_shift_fields(body, len(tokens), self.eng.can_shift)  # llama-server's extensions
         job.n_cache_reuse, job.n_keep, job.n_discard = shift.n_cache_reuse, shift.n_keep, shift.n_discard

@@ -27,7 +27,8 @@ The engine's state belongs to the thread that runs the steps (:meth:`start`'s th
 :meth:`run_until_idle`).  Other threads talk to it through messages only -- :meth:`submit`, :meth:`cancel` and
 :meth:`call` (a function run between two steps, e.g. to evict or inspect the cache) -- and read the immutable
 :class:`EngineSnapshot` it publishes after taking its messages and after every step (:meth:`snapshot`, what
-``/metrics`` prints).  Events reach the caller through ``Job.emit``, called on the engine's thread.  The engine never
+``/metrics`` prints).  Events reach the caller through ``Job.emit``, called on the engine's thread; a caller that
+only queues them there is woken once after each step that emitted any (:meth:`Engine.set_wake`).  The engine never
 raises out of its loop: an unexpected error ends the requests of that step with an error event and the loop goes
 on.  The engine knows nothing of HTTP.
 """
@@ -90,6 +91,8 @@ class Engine:
         self._snapshot = self._make_snapshot()
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()                 # set once the engine thread has warmed up
+        self._wake: Callable[[], None] | None = None   # called once after events were emitted (set_wake)
+        self._emitted = False                          # an event was emitted since the last wake (engine thread)
 
     # ------------------------------------------------------------------ messages (any thread)
 
@@ -141,6 +144,15 @@ class Engine:
     @property
     def n_running(self) -> int:
         return self._snapshot.n_running
+
+    def set_wake(self, fn: Callable[[], None] | None) -> None:
+        """Have ``fn()`` called on the engine thread once after each step (and each batch of messages, and the
+        shutdown) that emitted events.  A caller whose ``Job.emit`` only queues the event -- no system call, so the
+        engine thread keeps the GIL -- wakes its reader there, once a step for all its requests, where a wake-up
+        per event would hand the GIL to the reader thread up to once a request and step.  Before :meth:`start`."""
+        if self._thread is not None:
+            raise RuntimeError("set_wake() before start()")
+        self._wake = fn
 
     def start(self) -> "Engine":
         if self._thread is None:
@@ -201,6 +213,7 @@ class Engine:
         for job in [*self._running, *self._waiting]:
             self._end_error(job, "the server is shutting down")
         self._publish()
+        self._wake_readers()
 
     def _take_messages(self) -> None:
         """Apply the messages that arrived since the last step, then publish the snapshot (in one critical section,
@@ -227,9 +240,11 @@ class Engine:
                     fut.set_exception(err)
         if calls:
             self._publish()
+            self._wake_readers()
 
     def step(self) -> None:
-        """One step: :meth:`plan`, :meth:`execute`, :meth:`update`; then the snapshot is published."""
+        """One step: :meth:`plan`, :meth:`execute`, :meth:`update`; then the snapshot is published and the readers
+        of the step's events woken (:meth:`set_wake`)."""
         plan = self.plan()
         if plan.chunks:
             try:
@@ -247,6 +262,16 @@ class Engine:
             if rows is not None:
                 self.update(plan, rows)
         self._publish()
+        self._wake_readers()
+
+    def _wake_readers(self) -> None:
+        if self._emitted:
+            self._emitted = False
+            if self._wake is not None:
+                try:
+                    self._wake()
+                except Exception:  # noqa: BLE001 -- a caller's broken wake must not stop the loop
+                    pass
 
     # ------------------------------------------------------------------ plan
 
@@ -541,8 +566,8 @@ class Engine:
     def _usage(job: Job) -> Usage:
         return Usage(int(job.tokens.size), len(job.generated), job.n_cached)
 
-    @staticmethod
-    def _emit(job: Job, ev: Event) -> None:
+    def _emit(self, job: Job, ev: Event) -> None:
+        self._emitted = True
         try:
             job.emit(ev)
         except Exception:  # noqa: BLE001 -- a caller's broken channel must not stop the loop
