@@ -17,6 +17,7 @@ import numpy as np
 
 from ..batch import Batch
 from ..runtime.context import DecodeError
+from ..runtime.fa_tiles import TILE_Q, FaTiles
 from .host import HostEntry, HostParams, HostTier
 from .index import SeqEntry, SeqIndex
 from .policy import Candidate, EvictionPolicy, LRUPolicy, Retention, effective_priority
@@ -198,14 +199,17 @@ class PrefixCache:
         return Admission(seq_id, toks.size, n, toks.size - n, source, src, shifted)
 
     def advance(self, parts: Sequence[tuple[int, Sequence[int], bool]],
-                all_rows: Collection[int] = ()) -> list[np.ndarray | None]:
+                all_rows: Collection[int] = (), tiles: FaTiles | None = None) -> list[np.ndarray | None]:
         """Decode several active sequences' next tokens in one batch: ``parts`` are (seq_id, tokens, want_logits)
         for distinct sequences, each part's tokens following what its sequence holds; returns, per part, the
         float32 [n_vocab] logits of its last token (a row of the decode's new array) or None; the parts whose
         index is in ``all_rows`` get the [n, n_vocab] logits of all their n tokens instead (a draft's
         verification).  A serving loop mixes one-token generation steps and chunks of prompts this way.  The batch
         must fit n_batch; parked sequences are evicted while the cache has no slot for it (``DecodeError`` when none
-        is left, nothing changed)."""
+        is left, nothing changed).  With ``tiles`` (:class:`~kvcache_ggml.runtime.fa_tiles.FaTiles`), a step of
+        fewer than 64 tokens may get throwaway tokens after the last part's, their cells removed after the decode:
+        the real tokens are computed as in a 64-token step (flash attention in tiles), what the cache holds after
+        is the same; ``stats.padded_steps`` / ``padded_rows`` count them."""
         if not parts:
             raise ValueError("advance needs at least one part")
         every = sorted({int(i) for i in all_rows})
@@ -232,9 +236,22 @@ class PrefixCache:
             flags[ends[i] + 1 - sizes[i]:ends[i] + 1] = 1
             want[i] = True
         seq = np.repeat(np.array([e.seq_id for e in entries], np.int32), sizes)
+        tokens = np.concatenate(chunks)
+        pad, p_pad = self._pad_rows(tiles, entries, sizes) if tiles is not None else (0, 0)
+        if pad:  # throwaway tokens after the last part's (no logits): the step reaches flash attention's tiles
+            last = entries[-1]
+            tokens = np.concatenate([tokens, np.full(pad, tokens[-1], np.int32)])
+            seq = np.concatenate([seq, np.full(pad, last.seq_id, np.int32)])
+            flags = np.concatenate([flags, np.zeros(pad, np.int8)])
         tick = self._touch()
-        logits = self._decode(Batch(token=np.concatenate(chunks), seq_id=seq, logits=flags),
-                              {e.stream for e in entries})
+        try:
+            logits = self._decode(Batch(token=tokens, seq_id=seq, logits=flags), {e.stream for e in entries})
+        finally:
+            if pad:  # (after a failed decode, nothing is there to remove)
+                self.ctx.memory_seq_rm(last.seq_id, p_pad, -1)
+        if pad:
+            self.stats.padded_steps += 1
+            self.stats.padded_rows += pad
         for e, c in zip(entries, chunks):
             e.last_used = tick
             if e.clean:
@@ -247,6 +264,24 @@ class PrefixCache:
             out[i] = logits[k:k + n] if i in full else logits[k]
             k += n
         return out
+
+    def _pad_rows(self, tiles: FaTiles, entries: list[SeqEntry], sizes: np.ndarray) -> tuple[int, int]:
+        """Throwaway rows for a step (:meth:`FaTiles.rows`) and the position of the first; (0, 0) where the last
+        part's sequence or the cache has no room for them, or the parts are in several streams."""
+        n = int(sizes.sum())
+        if n >= TILE_Q or n < 2:
+            return 0, 0
+        stream = entries[-1].stream
+        if any(e.stream != stream for e in entries):
+            return 0, 0
+        seen = [self.ctx.memory_seq_pos_max(e.seq_id) + 1 for e in entries]
+        kv = self.ctx.kv
+        used = kv.get_used(stream)
+        pad = tiles.rows(sizes.tolist(), seen, used)
+        p_pad = seen[-1] + int(sizes[-1])
+        if not pad or p_pad + pad > self.ctx.n_ctx_seq() or kv.get_size() - used < n + pad:
+            return 0, 0
+        return pad, p_pad
 
     def release(self, seq_id: int) -> None:
         """The request on ``seq_id`` is done: its sequence stays cached (parked) until evicted."""

@@ -18,6 +18,8 @@ class PrefixStats:
     tokens_reused: int = 0     # prompt tokens taken from the cache instead of decoded
     tokens_shifted: int = 0    # of them, tokens moved into place by K-shift (chunk reuse, attach's n_cache_reuse)
     tokens_decoded: int = 0    # tokens decoded through the prefix cache (prompts and generation steps)
+    padded_steps: int = 0      # advance() steps given throwaway rows to reach flash attention's tiles (FaTiles)
+    padded_rows: int = 0       # throwaway rows decoded in them (their cells removed after each step)
     evictions: int = 0         # device sequences evicted to make room
     stale: int = 0             # entries found changed behind the prefix cache's back and dropped
     host_saves: int = 0        # evicted sequences kept as state blobs in RAM

@@ -558,6 +558,11 @@ class Context:
         return [] if self._graphs is None else self._graphs.keys()
 
     @property
+    def cpu_only(self) -> bool:
+        """Whether the CPU backend alone computes this context's graphs (no GPU, RPC or other device)."""
+        return len(self._backends) == 1
+
+    @property
     def lost(self) -> G.RpcServerLostError | None:
         """Why this context cannot compute any more (an RPC server of its weights or cache died), or None."""
         return self._lost

@@ -46,6 +46,7 @@ import numpy as np
 from ..batch import Batch
 from ..prefix import PrefixCache, PrefixParams, common_prefix
 from ..runtime.context import DecodeError
+from ..runtime.fa_tiles import TILE_Q, FaTiles
 from .engine_types import Chunk, EngineParams, EngineSnapshot, EngineStats, QueueFull, StepPlan
 from .request import Event, Job, RequestState
 from .shift import check_shift_fields, shift_job
@@ -93,6 +94,8 @@ class Engine:
         self.ready = threading.Event()                 # set once the engine thread has warmed up
         self._wake: Callable[[], None] | None = None   # called once after events were emitted (set_wake)
         self._emitted = False                          # an event was emitted since the last wake (engine thread)
+        self.tiles: FaTiles | None = None              # small steps' throwaway rows (runtime/fa_tiles.py): measured
+        #                                                by warm_up() with params.fa_tiles; None: none
 
     # ------------------------------------------------------------------ messages (any thread)
 
@@ -186,7 +189,8 @@ class Engine:
 
     def warm_up(self) -> None:
         """Decode a batch as large as a graph takes and one token, then clear the cache (on the calling thread: the
-        engine thread calls it first when ``warmup`` is set).  Nothing may be running."""
+        engine thread calls it first when ``warmup`` is set); with ``fa_tiles``, then measure the small steps'
+        costs (:meth:`FaTiles.calibrate`, which sets :attr:`tiles`).  Nothing may be running."""
         assert not self._running and not self.prefix.seqs, "warm_up() before any request"
         ctx, vocab = self.ctx, self.vocab
         tok = vocab.bos if vocab.bos >= 0 else 0
@@ -194,6 +198,8 @@ class Engine:
         ctx.decode(Batch(token=np.full(n, tok, np.int32)))
         ctx.decode(Batch(token=np.array([tok], np.int32)))
         ctx.memory_clear(True)
+        if self.params.fa_tiles and self.budget >= TILE_Q:
+            self.tiles = FaTiles.calibrate(ctx)
 
     def _loop(self) -> None:
         if self.params.warmup:
@@ -450,7 +456,7 @@ class Engine:
         the decode's own array) when it samples, else None; a chunk with a draft gets [1 + n_draft, n_vocab], a
         row per token."""
         return self.prefix.advance([(c.job.seq, c.tokens, c.sample) for c in plan.chunks],
-                                   all_rows=[i for i, c in enumerate(plan.chunks) if c.n_draft])
+                                   all_rows=[i for i, c in enumerate(plan.chunks) if c.n_draft], tiles=self.tiles)
 
     def update(self, plan: StepPlan, rows: list[np.ndarray | None]) -> None:
         """Apply a decoded step: prompt progress, then one sampled token per chunk that asked for logits (a token
@@ -578,7 +584,8 @@ class Engine:
     def _make_snapshot(self) -> EngineSnapshot:
         kv, pst = self.ctx.kv, self.prefix.stats
         return EngineSnapshot(replace(self.stats), len(self._running), len(self._waiting), kv.get_used(),
-                              kv.get_size() * kv.get_n_stream(), pst.hits_device, pst.hits_host, pst.evictions)
+                              kv.get_size() * kv.get_n_stream(), pst.hits_device, pst.hits_host, pst.evictions,
+                              pst.padded_steps)
 
     def _publish(self) -> None:
         snap = self._make_snapshot()

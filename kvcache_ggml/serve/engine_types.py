@@ -33,6 +33,8 @@ class EngineParams:
     #                                (serve/shift.py); False: it ends ("length")
     draft_max: int = 16            # with a drafter: most draft tokens verified per request and step (llama.cpp's)
     draft_min: int = 0             # with a drafter: a shorter draft is not verified (the request decodes one token)
+    fa_tiles: bool = True          # warm_up() measures whether small steps are cheaper with throwaway rows up to
+    #                                ggml's CPU flash-attention tile, and steps take them where so (fa_tiles.py)
 
     def check(self, n_seq: int, n_batch: int) -> None:
         if not 1 <= self.n_parallel <= n_seq:
@@ -84,6 +86,7 @@ class EngineSnapshot:
     prefix_hits_device: int        # admissions that reused a sequence in the cache
     prefix_hits_host: int          # admissions that restored a host-tier blob
     prefix_evictions: int          # parked sequences evicted
+    padded_steps: int = 0          # steps given throwaway rows up to flash attention's tile (runtime/fa_tiles.py)
 
 
 @dataclass(slots=True)
