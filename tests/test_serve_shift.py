@@ -229,8 +229,9 @@ def test_http_fields_options_and_errors(tmp_path):
     with pytest.raises(SystemExit):
         parse_args(["--model", str(path), "--cache-reuse", "-1"])
     s = LiveServer(["--model", str(path), "--alias", "tiny", "--parallel", "1", "--n-ctx", "256", "-t", "2",
-                    "--cache-reuse", "4", "--context-shift"])
+                    "--cache-reuse", "4", "--context-shift", "--no-fa-tiles"])
     try:
+        assert s.engine.tiles is None  # --no-fa-tiles: no measurement, no throwaway rows
         cl = s.client()
         words = " ".join(f"w{i}" for i in range(60))
         r1 = cl.completions.create(model="tiny", prompt=words, max_tokens=1, temperature=0)
@@ -255,5 +256,6 @@ def test_http_fields_options_and_errors(tmp_path):
             assert r.status_code == 400 and err["param"] == field and msg in err["message"], (field, err)
         s.wait_idle()
         assert s.engine.snapshot().stats.requests == before
+        assert s.engine.prefix.stats.padded_steps == 0
     finally:
         s.close()

@@ -450,6 +450,8 @@ def metrics_text(eng: Engine) -> str:
         ("prefix_hits_device_total", "counter", "admissions reusing a cached sequence", snap.prefix_hits_device),
         ("prefix_hits_host_total", "counter", "admissions restoring a host-tier blob", snap.prefix_hits_host),
         ("prefix_evictions_total", "counter", "parked sequences evicted", snap.prefix_evictions),
+        ("steps_padded_total", "counter", "steps given throwaway rows up to flash attention's tile",
+         snap.padded_steps),
         ("requests_running", "gauge", "requests admitted", snap.n_running),
         ("requests_waiting", "gauge", "requests in the queue", eng.queue_depth),
         ("kv_cells_used", "gauge", "cells holding a token", snap.kv_used),

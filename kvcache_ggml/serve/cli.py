@@ -55,6 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body, MiB (default %(default)s)")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the warm-up decode at start (as llama-server's --no-warmup)")
+    ap.add_argument("--fa-tiles", action=argparse.BooleanOptionalAction, default=True,
+                    help="steps of 2..63 tokens may take throwaway rows up to 64, where this CPU's flash attention "
+                         "computes them faster in tiles (measured at warm-up; default: on)")
     add_spec_args(ap)
     ap.add_argument("--cache-reuse", type=int, default=0, metavar="N",
                     help="reuse chunks of >= N tokens of a cached prompt by K-shift (default 0: off; per request "
@@ -113,7 +116,7 @@ def open_service(a: argparse.Namespace):
         engine = Engine(ctx, vocab, EngineParams(n_parallel=a.parallel, max_queue=a.max_queue, timeout=a.timeout,
                                                    warmup=a.warmup, cache_reuse=a.cache_reuse,
                                                    context_shift=a.context_shift, draft_max=a.draft_max,
-                                                   draft_min=a.draft_min),
+                                                   draft_min=a.draft_min, fa_tiles=a.fa_tiles),
                         prefix, drafter)
         svc = Service(engine, vocab, a.alias or a.model.stem, ChatTemplate.from_gguf_kv(model.gguf_kv, vocab),
                       api_key=a.api_key, max_body=int(a.max_body_mib * (1 << 20)), created=int(time.time()),
