@@ -246,6 +246,7 @@ def test_http_fields_options_and_errors(tmp_path):
         metrics = http(s.url + "/metrics").text
         shifts = [ln for ln in metrics.splitlines() if ln.startswith("kvcache_context_shifts_total ")]
         assert shifts == [f"kvcache_context_shifts_total {s.engine.snapshot().stats.context_shifts}"]
+        assert "kvcache_fa_tiles 0" in metrics.splitlines()
         before = s.engine.snapshot().stats.requests
         for field, value, msg in [("n_cache_reuse", -1, "n_cache_reuse must be >= 0"),
                                   ("n_keep", 99, "n_keep must be in [-1, 4]"), ("n_keep", -2, "n_keep must be in"),

@@ -452,6 +452,8 @@ def metrics_text(eng: Engine) -> str:
         ("prefix_evictions_total", "counter", "parked sequences evicted", snap.prefix_evictions),
         ("steps_padded_total", "counter", "steps given throwaway rows up to flash attention's tile",
          snap.padded_steps),
+        ("fa_tiles", "gauge", "1: steps of 2..63 tokens may take throwaway rows (measured at warm-up), 0: never",
+         eng.tiles is not None),
         ("requests_running", "gauge", "requests admitted", snap.n_running),
         ("requests_waiting", "gauge", "requests in the queue", eng.queue_depth),
         ("kv_cells_used", "gauge", "cells holding a token", snap.kv_used),
