@@ -11,7 +11,8 @@ the machine then falls on both servers alike.
 
 Per server: output tokens/s (median of the rounds); TTFT p50 / p90 over all requests; the reply after its first
 token, p50 per request (``decode``); the server process's CPU seconds per round (user + system, from ``/proc``:
-Linux only); and the ratios ours / llama-server.
+Linux only); and the ratios ours / llama-server.  ``--variant ARGS`` adds a third server in the same rounds, ours
+with those options added ("ours+", its ratio "ratio+"): a change measured against ours and llama-server at once.
 
 ``--spec``: bench_serve.py's speculative workload instead (``--spec`` there), with six servers up at once: each of
 ours and llama-server without drafts, with ``-md`` and with prompt lookup.  Every round runs each server once, in a
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -56,7 +58,7 @@ def rounds(kinds: list[str], model: Path, users: int, a: argparse.Namespace, log
     with open(log, "ab") as out:
         try:
             for kind in kinds:
-                procs[kind], urls[kind] = start(lambda port, kind=kind: server_cmd(kind, model, port, a, users), out)
+                procs[kind], urls[kind] = start(lambda port, kind=kind: ab_cmd(kind, model, port, a, users), out)
             for kind in kinds:
                 wait_ready(urls[kind], procs[kind])
                 warm_request(urls[kind], bias)
@@ -74,6 +76,13 @@ def rounds(kinds: list[str], model: Path, users: int, a: argparse.Namespace, log
         finally:
             stop(procs.values())
     return res
+
+
+def ab_cmd(kind: str, model: Path, port: int, a: argparse.Namespace, users: int) -> list[str]:
+    """bench_serve's command for ``kind``; "ours+" is ours with ``--variant``'s options added."""
+    if kind == "ours+":
+        return server_cmd("ours", model, port, a, users) + shlex.split(a.variant)
+    return server_cmd(kind, model, port, a, users)
 
 
 def start(cmd: Callable[[int], list[str]], out: IO[bytes]) -> tuple[subprocess.Popen, str]:
@@ -122,6 +131,9 @@ def main() -> int:
     ap.add_argument("--users", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=16)
     add_chat_args(ap)
+    ap.add_argument("--variant", default="", metavar="ARGS",
+                    help="a third server, ours with these options added (\"ours+\"), in the same rounds: e.g. "
+                         "--variant=--no-fa-tiles")
     ap.add_argument("--spec", action="store_true", help="the speculative workload instead (see above)")
     add_spec_args(ap)
     a = ap.parse_args()
@@ -132,6 +144,8 @@ def main() -> int:
     log = Path(tempfile.gettempdir()) / "bench_serve.log"
     if a.spec:
         return spec_main(a, kinds, log)
+    if a.variant:
+        kinds.insert(1, "ours+")
     model = make_bench_model(a.model)
     bias = partial_utf8_tokens(model)
     print(f"model {model.name}; -c {a.n_ctx} -b {a.batch} -ub {a.ubatch} -t {a.threads} -fa on -kvu; {a.turns} turns, "
@@ -149,10 +163,11 @@ def main() -> int:
             t, p50, p90, dec, cpu = row[kind]
             print(f"{users:>5} {kind:>6} {t:>8.1f} {p50 * 1e3:>7.1f}ms {p90 * 1e3:>7.1f}ms {dec * 1e3:>9.1f}ms "
                   f"{cpu:>9.3f}s", flush=True)
-        if len(row) == 2:
-            o, l = row["ours"], row["llama"]
-            print(f"{users:>5} {'ratio':>6} {o[0] / l[0]:>7.2f}x {o[1] / l[1]:>8.2f}x {o[2] / l[2]:>8.2f}x "
-                  f"{o[3] / l[3]:>10.2f}x {o[4] / l[4]:>9.2f}x", flush=True)
+        for kind, name in (("ours", "ratio"), ("ours+", "ratio+")):
+            if kind in row and "llama" in row:
+                o, l = row[kind], row["llama"]
+                print(f"{users:>5} {name:>6} {o[0] / l[0]:>7.2f}x {o[1] / l[1]:>8.2f}x {o[2] / l[2]:>8.2f}x "
+                      f"{o[3] / l[3]:>10.2f}x {o[4] / l[4]:>9.2f}x", flush=True)
     return 0
 
 
