@@ -334,7 +334,7 @@ def test_the_wake_comes_once_a_step_that_emitted(model):
     vocab = Vocab.from_kv(model.gguf_kv)
     ps = prompts(1, 20, seed=31) + prompts(2, 6, seed=32)   # (the first steps read the long prompt: no event)
     with Context(model, params()) as ctx:
-        eng = Engine(ctx, vocab, EngineParams(n_parallel=3, step_tokens=8))
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=3, step_tokens=8, prompts_per_step=0))  # (arrival order)
         wakes = []
         eng.set_wake(lambda: wakes.append(eng.stats.steps))
         js = [job(vocab, p, 3) for p in ps]
@@ -376,6 +376,50 @@ def test_plan_execute_update_are_separate_steps(model):
         assert plan.n_tokens == 8 and plan.chunks[0].sample
         eng.update(plan, eng.execute(plan))
         assert j.state is RequestState.DECODING and j.generated == alone(model, p, 1)[0]
+
+
+@pytest.mark.parametrize("per_step", [1, 2])
+def test_prompts_per_step_reads_the_fewest_tokens_left_first(model, per_step):
+    """Four prompts arriving together (30, 8, 20, 8 tokens) with a budget of 24: each step reads at most
+    ``per_step`` prompts, those with the fewest tokens left first (arrival order among equals), beside every
+    generating request's token; each request's greedy tokens are its prompt's served alone."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    lengths = [30, 8, 20, 8]
+    ps = [prompts(1, n, seed=40 + i)[0] for i, n in enumerate(lengths)]
+    refs = [alone(model, p, 3)[0] for p in ps]
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=4, step_tokens=24, prompts_per_step=per_step))
+        sinks, index = [], {}
+        for i, p in enumerate(ps):
+            j, sk = job(vocab, p, 3)
+            eng.submit(j)
+            sinks.append(sk)
+            index[id(j)] = i
+        left, generating = list(lengths), set()
+        while any(not sk.events or sk.events[-1].kind == "text" for sk in sinks):  # (until every request ended)
+            plan = eng.plan()
+            # the brute-force plan: every generating request's token, then up to per_step reading prompts by
+            # (tokens left, arrival), each as much as the budget leaves
+            budget = 24 - len(generating)
+            want = [(i, 1) for i in sorted(generating)]
+            for i in sorted((i for i in range(4) if left[i]), key=lambda i: (left[i], i))[:per_step]:
+                if budget > 0:
+                    want.append((i, min(left[i], budget)))
+                    budget -= want[-1][1]
+            got = [(index[id(c.job)], c.tokens.size) for c in plan.chunks]
+            assert sorted(got) == sorted(want)
+            eng.update(plan, eng.execute(plan))
+            for i, n in want:
+                if left[i]:
+                    left[i] -= n
+                    if not left[i]:
+                        generating.add(i)
+            generating -= {i for i in generating if sinks[i].events and sinks[i].events[-1].kind != "text"}
+        for sk, ref in zip(sinks, refs):
+            assert sk.done.finish_reason == "length" and sk.tokens == ref
+        check(eng.prefix)
+    with pytest.raises(ValueError, match="prompts_per_step must be >= 0"):
+        EngineParams(prompts_per_step=-1).check(4, 512)
 
 
 # ---------------------------------------------------------------------------------------------- threads

@@ -6,8 +6,9 @@ Every step is three calls, as vLLM v1 splits it (``schedule`` / execute / ``upda
   deadline end; waiting requests are admitted (:meth:`PrefixCache.pick_seq` gives a sequence,
   :meth:`PrefixCache.attach` the longest cached prefix of the prompt: those tokens are ``cached_tokens``); the batch
   is chosen under the token budget (``step_tokens``, the context's ``n_batch`` by default) -- the next token of
-  every decoding request, then chunks of the prompts still being read, in admission order (chunked prefill, as
-  llama-server and vLLM do it); and room in the cache is claimed for it (:meth:`PrefixCache.claim` evicts parked
+  every decoding request, then chunks of the prompts still being read (chunked prefill, as llama-server and vLLM do
+  it): of two prompts at most, those with the fewest tokens left first (``prompts_per_step``), so that requests
+  arriving together get their first tokens one pair after another rather than all after the last; and room in the cache is claimed for it (:meth:`PrefixCache.claim` evicts parked
   sequences).  When the cache cannot hold the batch, the prompt chunks wait; when it cannot hold the decoding
   requests alone, the request admitted last is the victim: it ends with ``finish_reason`` "length", or goes back to
   the queue if it has no output yet (what it read stays cached for its next admission).  The result is a typed
@@ -382,7 +383,8 @@ class Engine:
 
     def _batch(self, drafts: dict[Job, np.ndarray]) -> tuple[list[Chunk], list[Job]]:
         """The step's chunks under the token budget: every decoding request's last token, then the drafts (as many
-        of their tokens as the budget leaves, in admission order), then prompt chunks in admission order; and the
+        of their tokens as the budget leaves, in admission order), then prompt chunks -- of ``prompts_per_step``
+        prompts at most, the fewest tokens left first, or with 0 of every prompt in admission order; and the
         reading requests left out."""
         chunks = [Chunk(j, np.array(j.generated[-1:], np.int32), True) for j in self._running
                   if j.state is _S.DECODING]
@@ -393,10 +395,11 @@ class Engine:
                 d = d[:left]
                 c.tokens, c.n_draft = np.concatenate([c.tokens, d]), d.size
                 left -= d.size
-        for j in self._running:
-            if j.state is not _S.PREFILL:
-                continue
-            if left <= 0:
+        reading = [j for j in self._running if j.state is _S.PREFILL]
+        if self.params.prompts_per_step:
+            reading.sort(key=lambda j: j.tokens.size - j.fed)  # (stable: admission order among equals)
+        for i, j in enumerate(reading):
+            if left <= 0 or (self.params.prompts_per_step and i >= self.params.prompts_per_step):
                 held.append(j)
                 continue
             piece = j.tokens[j.fed:j.fed + left]

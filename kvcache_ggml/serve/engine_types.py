@@ -33,6 +33,9 @@ class EngineParams:
     #                                (serve/shift.py); False: it ends ("length")
     draft_max: int = 16            # with a drafter: most draft tokens verified per request and step (llama.cpp's)
     draft_min: int = 0             # with a drafter: a shorter draft is not verified (the request decodes one token)
+    prompts_per_step: int = 2      # prompts read in one step, the fewest tokens left first (0: as many as the
+    #                                budget holds, in admission order): the first tokens sooner when several requests
+    #                                arrive together
     fa_tiles: bool = True          # warm_up() measures whether small steps are cheaper with throwaway rows up to
     #                                ggml's CPU flash-attention tile, and steps take them where so (fa_tiles.py)
 
@@ -44,6 +47,8 @@ class EngineParams:
         if self.step_tokens and self.step_tokens < self.n_parallel:
             raise ValueError(f"step_tokens {self.step_tokens} < n_parallel {self.n_parallel}: a step must hold "
                              "one token of every generating request")
+        if self.prompts_per_step < 0:
+            raise ValueError(f"prompts_per_step must be >= 0 (0: no limit), got {self.prompts_per_step}")
         if self.max_queue < 0 or self.timeout <= 0:
             raise ValueError(f"max_queue must be >= 0 and timeout > 0, got {self.max_queue}, {self.timeout}")
         if self.draft_max < 1 or not 0 <= self.draft_min <= self.draft_max:
