@@ -422,6 +422,13 @@ def test_prompts_per_step_reads_the_fewest_tokens_left_first(model, per_step):
         EngineParams(prompts_per_step=-1).check(4, 512)
 
 
+def test_prompts_per_step_unset_limits_only_more_than_four_slots():
+    """Unset, two prompts a step with more than 4 slots and no limit up to 4; a value given is kept, 0 too."""
+    assert [EngineParams(n_parallel=n).prompt_limit() for n in (1, 4, 5, 8)] == [0, 0, 2, 2]
+    assert EngineParams(n_parallel=8, prompts_per_step=0).prompt_limit() == 0
+    assert EngineParams(n_parallel=2, prompts_per_step=3).prompt_limit() == 3
+
+
 # ---------------------------------------------------------------------------------------------- threads
 
 def test_many_clients_with_cancellations_and_bad_requests_under_fast_thread_switching(model):

@@ -55,9 +55,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-body-mib", type=float, default=8.0, help="largest request body, MiB (default %(default)s)")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="skip the warm-up decode at start (as llama-server's --no-warmup)")
-    ap.add_argument("--prompts-per-step", type=int, default=2, metavar="N",
-                    help="prompts read in one step, the fewest tokens left first (default %(default)s; 0: as many as "
-                         "--batch holds, in arrival order)")
+    ap.add_argument("--prompts-per-step", type=int, default=None, metavar="N",
+                    help="prompts read in one step, the fewest tokens left first (0: as many as --batch holds, in "
+                         "arrival order; default: 2 with --parallel > 4, else 0)")
     ap.add_argument("--fa-tiles", action=argparse.BooleanOptionalAction, default=True,
                     help="steps of 2..63 tokens may take throwaway rows up to 64, where this CPU's flash attention "
                          "computes them faster in tiles (measured at warm-up; default: on)")
@@ -69,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="a request reaching the context drops n_discard tokens after n_keep and goes on (default: "
                          "off, it ends with finish_reason length)")
     a = ap.parse_args(argv)
-    if a.prompts_per_step < 0:
+    if a.prompts_per_step is not None and a.prompts_per_step < 0:
         ap.error(f"--prompts-per-step must be >= 0 (0: no limit), got {a.prompts_per_step}")
     if a.cache_reuse < 0:
         ap.error(f"--cache-reuse must be >= 0 (0: off), got {a.cache_reuse}")

@@ -7,8 +7,9 @@ Every step is three calls, as vLLM v1 splits it (``schedule`` / execute / ``upda
   :meth:`PrefixCache.attach` the longest cached prefix of the prompt: those tokens are ``cached_tokens``); the batch
   is chosen under the token budget (``step_tokens``, the context's ``n_batch`` by default) -- the next token of
   every decoding request, then chunks of the prompts still being read (chunked prefill, as llama-server and vLLM do
-  it): of two prompts at most, those with the fewest tokens left first (``prompts_per_step``), so that requests
-  arriving together get their first tokens one pair after another rather than all after the last; and room in the cache is claimed for it (:meth:`PrefixCache.claim` evicts parked
+  it): with more than 4 slots, of two prompts at most, those with the fewest tokens left first
+  (``prompts_per_step``), so that many requests arriving together get their first tokens one pair after another
+  rather than all after the last; and room in the cache is claimed for it (:meth:`PrefixCache.claim` evicts parked
   sequences).  When the cache cannot hold the batch, the prompt chunks wait; when it cannot hold the decoding
   requests alone, the request admitted last is the victim: it ends with ``finish_reason`` "length", or goes back to
   the queue if it has no output yet (what it read stays cached for its next admission).  The result is a typed
@@ -76,6 +77,7 @@ class Engine:
             drafter.bind(vocab, int(ctx.model.n_vocab), self.prefix.n_seq)
         self.drafter = drafter                         # speculative decoding's drafts (None: none)
         self.budget = self.params.step_tokens or n_batch
+        self._prompt_limit = self.params.prompt_limit()
         self.n_ctx_seq = int(ctx.n_ctx_seq())
         self.can_shift = bool(ctx.memory_can_shift())  # cache reuse and context shifts need it
         if (self.params.cache_reuse or self.params.context_shift) and not self.can_shift:
@@ -396,10 +398,11 @@ class Engine:
                 c.tokens, c.n_draft = np.concatenate([c.tokens, d]), d.size
                 left -= d.size
         reading = [j for j in self._running if j.state is _S.PREFILL]
-        if self.params.prompts_per_step:
+        limit = self._prompt_limit
+        if limit:
             reading.sort(key=lambda j: j.tokens.size - j.fed)  # (stable: admission order among equals)
         for i, j in enumerate(reading):
-            if left <= 0 or (self.params.prompts_per_step and i >= self.params.prompts_per_step):
+            if left <= 0 or (limit and i >= limit):
                 held.append(j)
                 continue
             piece = j.tokens[j.fed:j.fed + left]
