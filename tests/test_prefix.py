@@ -347,6 +347,36 @@ def test_pick_seq_falls_back_to_the_holder(model):
         assert (adm.source, adm.n_reused) == ("own", 8) and check(pc) == []
 
 
+@pytest.mark.parametrize("kept", [10, 15, 20])
+def test_own_sequence_cut_below_half_is_saved_to_the_host_tier(model, kept):
+    """One sequence: a prompt that keeps ``kept`` of the 30 tokens its sequence holds reuses them in place; under
+    half kept (llama-server's f_keep < 0.5), the whole 30 are first saved as a host blob, and the conversation cut
+    off comes back from it (the logits a fresh decode gives); half or more kept, nothing is saved."""
+    a = toks(30, 51)
+    b = np.concatenate([a[:kept], toks(8, 52)])
+    back = np.concatenate([a, toks(4, 53)])
+    with ctx_of(model, n_seq_max=1) as c:
+        pc = PrefixCache(c, host=HostParams(budget=1 << 20))
+        served(pc, 0, a)
+        assert pc.pick_seq(b) == 0
+        adm, _ = prefill(pc, b, 0)
+        assert (adm.source, adm.n_reused) == ("own", kept)
+        saved = 2 * kept < a.size
+        assert pc.stats.host_saves == int(saved) and c.memory_seq_pos_max(0) == b.size - 1
+        pc.release(0)
+        m = pc.match(back)
+        assert (m.n_tokens, m.tier) == ((30, "host") if saved else (kept, "device"))
+        adm, logits = prefill(pc, back, pc.pick_seq(back))
+        assert adm.n_reused == (30 if saved else kept)
+        assert rel_err(logits, fresh_logits(model, back, n_seq_max=1)) < TOL
+        assert check(pc) == []
+    with ctx_of(model, n_seq_max=1) as c:  # no host tier: the cut part is gone
+        pc = PrefixCache(c)
+        served(pc, 0, a)
+        assert prefill(pc, b, 0)[0].n_reused == kept and pc.stats.host_saves == 0
+        assert check(pc) == []
+
+
 def test_attach_without_reuse_decodes_everything_on_its_own_sequence(model):
     """attach(reuse=False) on a parked sequence whose content the prompt extends: nothing is reused (the whole
     prompt is left to decode), the old content goes to the host tier as any retired sequence, and the logits are

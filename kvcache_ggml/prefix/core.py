@@ -144,7 +144,10 @@ class PrefixCache:
         """Make ``seq_id`` hold the longest cached prefix of ``tokens`` (its own, ``seq_cp`` from another sequence,
         or a host blob; at most all but the last token) and mark it active, decoding nothing: ``n_decoded`` of the
         admission is the tokens left to decode with :meth:`advance` (in chunks the caller chooses; the last one's
-        logits are the answer).  The sequence is active until :meth:`release`.
+        logits are the answer).  The sequence is active until :meth:`release`.  Where the sequence's own content is
+        reused in place but less than half of it is kept, the whole is first saved as a host blob (with a host
+        tier), as llama-server saves a slot to its ``--cache-ram`` when it would lose most of it: the conversation
+        cut off is restored when it comes back.
 
         ``n_cache_reuse`` N > 0 (llama-server's ``--cache-reuse``): after the common prefix of the sequence's own
         tokens, runs of at least N of them that reappear in the prompt are moved into place by K-shift
@@ -175,6 +178,8 @@ class PrefixCache:
             n, source, src = self._shift_chunks(own, toks, plan), "own", seq_id
             shifted, e = plan.n_shifted - (plan.n_reused - n), own
         elif own is not None and own_n >= max(m.n_tokens, self.params.min_reuse):
+            if 2 * own_n < own.tokens.size:  # most of it would be lost: kept as a host blob first (llama-server
+                self._save_host(own)         # saves a slot to its --cache-ram when it keeps under half of it)
             n, source, src = own_n, "own", seq_id
             self.index.truncate(own, own_n)
             e = own
@@ -535,10 +540,19 @@ class PrefixCache:
         return self.params.policy(cands).entry
 
     def _retire(self, e: SeqEntry, keep: bool) -> None:
-        """Remove the sequence of ``e`` from the cache, first saving its prefix as a host blob when ``keep``, a
-        host tier exists and no other entry holds the same tokens."""
+        """Remove the sequence of ``e`` from the cache, first saving its prefix as a host blob when ``keep``
+        (:meth:`_save_host`)."""
+        if keep:
+            self._save_host(e)
+        self.ctx.memory_seq_rm(e.seq_id, -1, -1)
+        self.index.drop(e)
+        self.stats.evictions += 1
+
+    def _save_host(self, e: SeqEntry) -> None:
+        """Save the indexed prefix of ``e``'s sequence as a host blob, where a host tier exists and no other entry
+        holds the same tokens; cells past the indexed tokens are removed first (the blob holds the prefix only)."""
         s = e.seq_id
-        if keep and self.host is not None and e.tokens.size and not self._covered(e):
+        if self.host is not None and e.tokens.size and not self._covered(e):
             if self.ctx.memory_seq_pos_max(s) >= e.tokens.size:
                 self.ctx.memory_seq_rm(s, e.tokens.size, -1)  # the blob holds the indexed prefix only
             blob = self.ctx.state_seq_get_data(s)
@@ -553,9 +567,6 @@ class PrefixCache:
                         self.tree.remove(old, old.tokens)
                         self.host.drop(old)
                 self.tree.insert(h, h.tokens)
-        self.ctx.memory_seq_rm(s, -1, -1)
-        self.index.drop(e)
-        self.stats.evictions += 1
 
     def _covered(self, e: SeqEntry) -> bool:
         """Another entry (device or host) holds all the tokens of ``e``."""
