@@ -228,6 +228,19 @@ def test_chat_without_template_is_400(tmp_path):
         s.close()
 
 
+def test_parked_default_is_none_with_one_slot(model_path):
+    """``--parked`` unset: --parallel more with -kvu and more than one slot, none with one slot or without -kvu; a
+    value given is kept."""
+    from kvcache_ggml.serve.cli import parse_args
+
+    def parked(*extra):
+        return parse_args(["--model", str(model_path), *extra]).parked
+
+    assert [parked("-np", "1", "-kvu"), parked("-np", "2", "-kvu"), parked("-np", "8", "-kvu"), parked("-np", "4")] \
+        == [0, 2, 8, 0]
+    assert parked("-np", "1", "-kvu", "--parked", "3") == 3
+
+
 def test_api_key_and_full_queue(model_path):
     s = LiveServer(["--model", str(model_path), "--alias", "tiny", "--parallel", "1", "--max-queue", "0",
                     "--n-ctx", "1024", "-t", "2", "--api-key", "sekrit"])

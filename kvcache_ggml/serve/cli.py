@@ -1,8 +1,8 @@
 """``python -m kvcache_ggml serve --model PATH``: an OpenAI-compatible HTTP server on uvicorn.
 
 The context has ``--parallel`` sequences for requests plus ``--parked`` more (default: as many with
-``--kv-unified``, none without) where finished conversations stay cached for the next request that shares their
-prefix; the prefix cache evicts them (to the host tier, ``--host-cache-mib``) when room is needed.  With
+``--kv-unified`` and more than one slot, none otherwise) where finished conversations stay cached for the next
+request that shares their prefix; the prefix cache evicts them (to the host tier, ``--host-cache-mib``) when room is needed.  With
 ``--kv-unified`` all sequences share one cache of ``--n-ctx`` cells, so one request may use all of it (llama-server's
 ``-kvu``); without, each sequence has its own stream of ``n_ctx / sequences`` cells.  SIGINT or SIGTERM stops the
 server gracefully: it stops taking requests, ends the running ones, and closes the model.
@@ -34,7 +34,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--parallel", "-np", type=int, default=4, help="requests decoding at once (default %(default)s)")
     ap.add_argument("--parked", type=int, default=-1,
                     help="sequences beyond --parallel for cached conversations (default: --parallel with "
-                         "--kv-unified, else 0)")
+                         "--kv-unified and --parallel > 1, else 0)")
     ap.add_argument("--n-ctx", "-c", type=int, default=4096, help="context size, all sequences (default %(default)s)")
     ap.add_argument("--batch", "-b", type=int, default=2048,
                     help="tokens per step, the token budget (default %(default)s)")
@@ -78,8 +78,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.host_cache_mib < 0 or a.max_queue < 0 or a.timeout <= 0 or not 0 <= a.port < 65536:
         ap.error("--host-cache-mib and --max-queue must be >= 0, --timeout > 0, --port in [0, 65535]")
-    if a.parked < 0:
-        a.parked = a.parallel if a.kv_unified else 0
+    if a.parked < 0:  # (one slot: its own sequence is the cache, as llama-server's; see docs/serving.md)
+        a.parked = a.parallel if a.kv_unified and a.parallel > 1 else 0
     if not a.model.is_file():
         ap.error(f"--model {a.model}: no such file")
     why = unsupported_arch(a.model)
