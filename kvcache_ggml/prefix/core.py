@@ -17,7 +17,7 @@ import numpy as np
 
 from ..batch import Batch
 from ..runtime.context import DecodeError
-from ..runtime.fa_tiles import TILE_Q, FaTiles
+from ..runtime.fa_tiles import FaTiles
 from .host import HostEntry, HostParams, HostTier
 from .index import SeqEntry, SeqIndex
 from .policy import Candidate, EvictionPolicy, LRUPolicy, Retention, effective_priority
@@ -144,10 +144,8 @@ class PrefixCache:
         """Make ``seq_id`` hold the longest cached prefix of ``tokens`` (its own, ``seq_cp`` from another sequence,
         or a host blob; at most all but the last token) and mark it active, decoding nothing: ``n_decoded`` of the
         admission is the tokens left to decode with :meth:`advance` (in chunks the caller chooses; the last one's
-        logits are the answer).  The sequence is active until :meth:`release`.  Where the sequence's own content is
-        reused in place but less than half of it is kept, the whole is first saved as a host blob (with a host
-        tier), as llama-server saves a slot to its ``--cache-ram`` when it would lose most of it: the conversation
-        cut off is restored when it comes back.
+        logits are the answer).  The sequence is active until :meth:`release`.  Its own content reused in place
+        but cut to under half is first saved whole to the host tier (llama-server's ``--cache-ram`` rule).
 
         ``n_cache_reuse`` N > 0 (llama-server's ``--cache-reuse``): after the common prefix of the sequence's own
         tokens, runs of at least N of them that reappear in the prompt are moved into place by K-shift
@@ -178,8 +176,8 @@ class PrefixCache:
             n, source, src = self._shift_chunks(own, toks, plan), "own", seq_id
             shifted, e = plan.n_shifted - (plan.n_reused - n), own
         elif own is not None and own_n >= max(m.n_tokens, self.params.min_reuse):
-            if 2 * own_n < own.tokens.size:  # most of it would be lost: kept as a host blob first (llama-server
-                self._save_host(own)         # saves a slot to its --cache-ram when it keeps under half of it)
+            if 2 * own_n < own.tokens.size:  # (llama-server saves a slot to --cache-ram when f_keep < 0.5)
+                self._save_host(own)
             n, source, src = own_n, "own", seq_id
             self.index.truncate(own, own_n)
             e = own
@@ -242,7 +240,8 @@ class PrefixCache:
             want[i] = True
         seq = np.repeat(np.array([e.seq_id for e in entries], np.int32), sizes)
         tokens = np.concatenate(chunks)
-        pad, p_pad = self._pad_rows(tiles, entries, sizes) if tiles is not None else (0, 0)
+        pad, p_pad = (tiles.pad(self.ctx, [e.seq_id for e in entries], [e.stream for e in entries], sizes.tolist())
+                      if tiles is not None else (0, 0))
         if pad:  # throwaway tokens after the last part's (no logits): the step reaches flash attention's tiles
             last = entries[-1]
             tokens = np.concatenate([tokens, np.full(pad, tokens[-1], np.int32)])
@@ -269,24 +268,6 @@ class PrefixCache:
             out[i] = logits[k:k + n] if i in full else logits[k]
             k += n
         return out
-
-    def _pad_rows(self, tiles: FaTiles, entries: list[SeqEntry], sizes: np.ndarray) -> tuple[int, int]:
-        """Throwaway rows for a step (:meth:`FaTiles.rows`) and the position of the first; (0, 0) where the last
-        part's sequence or the cache has no room for them, or the parts are in several streams."""
-        n = int(sizes.sum())
-        if n >= TILE_Q or n < 2:
-            return 0, 0
-        stream = entries[-1].stream
-        if any(e.stream != stream for e in entries):
-            return 0, 0
-        seen = [self.ctx.memory_seq_pos_max(e.seq_id) + 1 for e in entries]
-        kv = self.ctx.kv
-        used = kv.get_used(stream)
-        pad = tiles.rows(sizes.tolist(), seen, used)
-        p_pad = seen[-1] + int(sizes[-1])
-        if not pad or p_pad + pad > self.ctx.n_ctx_seq() or kv.get_size() - used < n + pad:
-            return 0, 0
-        return pad, p_pad
 
     def release(self, seq_id: int) -> None:
         """The request on ``seq_id`` is done: its sequence stays cached (parked) until evicted."""
@@ -540,8 +521,7 @@ class PrefixCache:
         return self.params.policy(cands).entry
 
     def _retire(self, e: SeqEntry, keep: bool) -> None:
-        """Remove the sequence of ``e`` from the cache, first saving its prefix as a host blob when ``keep``
-        (:meth:`_save_host`)."""
+        """Remove the sequence of ``e`` from the cache, first saved (:meth:`_save_host`) when ``keep``."""
         if keep:
             self._save_host(e)
         self.ctx.memory_seq_rm(e.seq_id, -1, -1)
@@ -556,8 +536,7 @@ class PrefixCache:
             if self.ctx.memory_seq_pos_max(s) >= e.tokens.size:
                 self.ctx.memory_seq_rm(s, e.tokens.size, -1)  # the blob holds the indexed prefix only
             blob = self.ctx.state_seq_get_data(s)
-            now = self.params.clock()
-            h, dropped = self.host.put(e.tokens, blob, self.index.tick, e.retention, e.since, now)
+            h, dropped = self.host.put(e.tokens, blob, self.index.tick, e.retention, e.since, self.params.clock())
             for d in dropped:
                 self.tree.remove(d, d.tokens)
             if h is not None:

@@ -157,3 +157,19 @@ class FaTiles:
         by_row = self.c + n * self.m + self.f * cells
         tiled = self.c + TILE_Q * self.m + self.t * TILE_Q * (n_used + TILE_Q)
         return TILE_Q - n if tiled < self.margin * by_row else 0
+
+    def pad(self, ctx: "Context", seqs: Sequence[int], streams: Sequence[int], sizes: Sequence[int]) -> tuple[int, int]:
+        """Throwaway rows for a step on ``ctx`` whose parts have ``sizes`` tokens for sequences ``seqs`` (in
+        ``streams``), each part following what its sequence holds: (:meth:`rows`, the position of the first, after the
+        last part's tokens), or (0, 0) where the parts are in several streams or the last part's sequence or the
+        cache has no room for them."""
+        n = int(sum(sizes))
+        if not 2 <= n < TILE_Q or len(set(streams)) != 1:
+            return 0, 0
+        seen = [ctx.memory_seq_pos_max(s) + 1 for s in seqs]
+        used = ctx.kv.get_used(streams[-1])
+        pad = self.rows(sizes, seen, used)
+        p_pad = seen[-1] + int(sizes[-1])
+        if not pad or p_pad + pad > ctx.n_ctx_seq() or ctx.kv.get_size() - used < n + pad:
+            return 0, 0
+        return pad, p_pad
