@@ -2,10 +2,10 @@
 
 The context has ``--parallel`` sequences for requests plus ``--parked`` more (default: as many with
 ``--kv-unified`` and more than one slot, none otherwise) where finished conversations stay cached for the next
-request that shares their prefix; the prefix cache evicts them (to the host tier, ``--host-cache-mib``) when room is needed.  With
-``--kv-unified`` all sequences share one cache of ``--n-ctx`` cells, so one request may use all of it (llama-server's
-``-kvu``); without, each sequence has its own stream of ``n_ctx / sequences`` cells.  SIGINT or SIGTERM stops the
-server gracefully: it stops taking requests, ends the running ones, and closes the model.
+request that shares their prefix; the prefix cache evicts them (to the host tier, ``--host-cache-mib``) when room
+is needed.  With ``--kv-unified`` all sequences share one cache of ``--n-ctx`` cells, so one request may use all of
+it (llama-server's ``-kvu``); without, each sequence has its own stream of ``n_ctx / sequences`` cells.  SIGINT or
+SIGTERM stops the server gracefully: it stops taking requests, ends the running ones, and closes the model.
 """
 from __future__ import annotations
 

@@ -77,7 +77,6 @@ class Engine:
             drafter.bind(vocab, int(ctx.model.n_vocab), self.prefix.n_seq)
         self.drafter = drafter                         # speculative decoding's drafts (None: none)
         self.budget = self.params.step_tokens or n_batch
-        self._prompt_limit = self.params.prompt_limit()
         self.n_ctx_seq = int(ctx.n_ctx_seq())
         self.can_shift = bool(ctx.memory_can_shift())  # cache reuse and context shifts need it
         if (self.params.cache_reuse or self.params.context_shift) and not self.can_shift:
@@ -398,7 +397,7 @@ class Engine:
                 c.tokens, c.n_draft = np.concatenate([c.tokens, d]), d.size
                 left -= d.size
         reading = [j for j in self._running if j.state is _S.PREFILL]
-        limit = self._prompt_limit
+        limit = self.params.prompt_limit()
         if limit:
             reading.sort(key=lambda j: j.tokens.size - j.fed)  # (stable: admission order among equals)
         for i, j in enumerate(reading):

@@ -41,7 +41,7 @@ class EngineParams:
 
     def prompt_limit(self) -> int:
         """Prompts a step reads at most (0: no limit). Unset, 2 with more than 4 slots: at 8 users two a step cut
-        the TTFT p50 by a quarter to a third at equal tokens/s, at 4 users they cost 4-14 % of the tokens/s and
+        the TTFT p50 by a quarter to a third at equal tokens/s, at 4 users they cost 2-14 % of the tokens/s and
         gained nothing (docs/serving.md, "Prompts per step")."""
         if self.prompts_per_step is not None:
             return self.prompts_per_step
