@@ -105,6 +105,19 @@ def test_logit_bias_moves_greedy():
         Sampler(SamplingParams(logit_bias={1000: 1.0}), N)
 
 
+def test_many_logit_biases_each_added_once():
+    x = _logits(8)
+    rng = np.random.default_rng(8)
+    ids = rng.choice(N, 300, replace=False)
+    bias = {int(i): float(b) for i, b in zip(ids, rng.uniform(-100, 100, ids.size))}
+    want = x.copy()
+    for i, b in bias.items():
+        want[i] += np.float32(b)
+    got = Sampler(SamplingParams(logit_bias=bias), N).adjusted(x)
+    np.testing.assert_array_equal(got, want)
+    assert not np.shares_memory(got, x)
+
+
 def test_ignore_eos():
     x = np.array([0.0, 5.0, 1.0], np.float32)
     assert Sampler(SamplingParams(temperature=0.0), 3, eog=[1]).sample(x) == 1

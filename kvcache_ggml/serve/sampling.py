@@ -81,8 +81,8 @@ class Sampler:
             raise ValueError(f"logits of shape {logits.shape} for a vocabulary of {self.n_vocab} tokens")
         x = np.array(logits, dtype=np.float32, copy=True)
         p = self.params
-        if self._bias_ids.size:
-            np.add.at(x, self._bias_ids, self._bias)
+        if self._bias_ids.size:  # (a dict's keys: no id twice, so the indexed add is np.add.at's at half the cost)
+            x[self._bias_ids] += self._bias
         if self.counts and (p.presence_penalty or p.frequency_penalty):
             ids = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
             c = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))
