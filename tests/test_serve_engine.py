@@ -193,17 +193,47 @@ def test_cache_prompt_false_decodes_the_whole_prompt_and_keeps_nothing(model):
         eng.submit(jc)
         eng.run_until_idle()
         assert sc.done.usage.cached_tokens == 40 and sc.tokens == [int(np.argmax(ref))]
-def test_a_full_cache_ends_requests_with_length_and_never_crashes(model):
+@pytest.mark.parametrize("split", [False, True])
+def test_a_full_cache_ends_requests_with_length_and_never_crashes(model, split):
     """64 cells for three requests that would each take 60: the engine ends the last admitted ("length") as room
-    runs out, and the others go on; every request gets its end event; the cells stay consistent."""
+    runs out, and the others go on; every request gets its end event; the cells stay consistent.  With
+    ``split_steps`` too, where a prompt step without room generates instead."""
     vocab = Vocab.from_kv(model.gguf_kv)
     with Context(model, params(n_ctx=64, n_seq=3, n_batch=64)) as ctx:
-        eng = Engine(ctx, vocab, EngineParams(n_parallel=3))
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=3, split_steps=split))
         sinks = serve_all(eng, vocab, prompts(3, 12, seed=5), None)
         reasons = [s.done.finish_reason for s in sinks]
         assert reasons.count("length") == 3 and eng.stats.ended_full >= 1
         assert all(s.done.kind == "done" for s in sinks)
         assert sum(len(s.tokens) for s in sinks) >= 64 - 3 * 12
+        check(eng.prefix)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_prompt_without_room_waits_while_the_generating_request_goes_on(model, split):
+    """256 cells: one request (100-token prompt) generates; a second (100 tokens) arrives once the first holds more
+    than 156 cells.  Its prompt waits -- with ``split_steps``, each of its prompt steps generates instead -- until
+    the first ends at its context ("length"), then it is read and gets its greedy tokens served alone."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    pa, pb = prompts(1, 100, seed=70)[0], prompts(1, 100, seed=71)[0]
+    with Context(model, params(n_ctx=256, n_seq=2, n_batch=256)) as ctx:
+        assert ctx.kv.get_size() == 256
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=2, split_steps=split))
+        (a, sa), (b, sb) = job(vocab, pa, 1000), job(vocab, pb, 4)
+        eng.submit(a)
+        while len(a.generated) < 60:
+            eng.step()
+        eng.submit(b)
+        steps = []
+        while not sa.events or sa.events[-1].kind == "text":
+            plan = eng.plan()
+            steps.append([c.job for c in plan.chunks])
+            assert b.state is RequestState.PREFILL and b.fed == 0
+            eng.update(plan, eng.execute(plan))
+        assert all(s == [a] for s in steps) and len(steps) == 256 - 100 - 60
+        assert sa.done.finish_reason == "length" and len(a.generated) == 256 - 100
+        eng.run_until_idle()
+        assert sb.done.finish_reason == "length" and sb.tokens == alone(model, pb, 4)[0]
         check(eng.prefix)
 
 
@@ -422,11 +452,66 @@ def test_prompts_per_step_reads_the_fewest_tokens_left_first(model, per_step):
         EngineParams(prompts_per_step=-1).check(4, 512)
 
 
-def test_prompts_per_step_unset_limits_only_more_than_four_slots():
-    """Unset, two prompts a step with more than 4 slots and no limit up to 4; a value given is kept, 0 too."""
-    assert [EngineParams(n_parallel=n).prompt_limit() for n in (1, 4, 5, 8)] == [0, 0, 2, 2]
+def test_prompts_per_step_and_split_steps_unset_act_only_with_more_than_four_slots():
+    """Unset, steps are split with more than 4 slots, and read one prompt a step there (two when not split); no
+    limit up to 4 slots.  A value given is kept, 0 too."""
+    assert [EngineParams(n_parallel=n).split() for n in (1, 4, 5, 8)] == [False, False, True, True]
+    assert [EngineParams(n_parallel=n).prompt_limit() for n in (1, 4, 5, 8)] == [0, 0, 1, 1]
+    assert EngineParams(n_parallel=8, split_steps=False).prompt_limit() == 2
+    assert EngineParams(n_parallel=2, split_steps=True).prompt_limit() == 0
+    assert EngineParams(n_parallel=8, split_steps=False).split() is False
+    assert EngineParams(n_parallel=2, split_steps=True).split() is True
     assert EngineParams(n_parallel=8, prompts_per_step=0).prompt_limit() == 0
     assert EngineParams(n_parallel=2, prompts_per_step=3).prompt_limit() == 3
+
+
+
+def test_split_steps_alternate_and_late_arrivals_join_the_prompt_step(model):
+    """``split_steps``: requests arrive while others generate (one submitted while each listed step computes, after
+    its plan).  No step holds both a generating token and a prompt chunk; while both kinds run, a step is of the
+    other kind than the step before; a generating step holds every generating request's token, a prompt step up to
+    two prompts, the fewest tokens left first -- a request that arrived while the step before computed included.
+    Every request gets its prompt's greedy tokens served alone."""
+    vocab = Vocab.from_kv(model.gguf_kv)
+    lengths = [10, 40, 12, 7, 9, 20]
+    arrive_at = {0: [0, 1], 2: [2], 3: [3], 5: [4], 12: [5]}  # step -> requests submitted while it computes
+    ps = [prompts(1, n, seed=60 + i)[0] for i, n in enumerate(lengths)]
+    refs = [alone(model, p, 5)[0] for p in ps]
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=4, step_tokens=24, prompts_per_step=2, split_steps=True))
+        jobs = [job(vocab, p, 5) for p in ps]
+        index = {id(j): i for i, (j, _) in enumerate(jobs)}
+        eng.submit(jobs[0][0])
+        prev, n, seen, came, reads = None, 0, set(), [], 0
+        while n < 6 or any(not s.events or s.events[-1].kind == "text" for _, s in jobs):
+            plan = eng.plan()
+            gen = sorted(index[id(j)] for j, _ in jobs if j.state is RequestState.DECODING)
+            read = [j for j, _ in jobs if j.state is RequestState.PREFILL]
+            kind = "read" if read and (not gen or prev == "gen") else "gen" if gen else None
+            if kind == "gen":
+                want = [(i, 1) for i in gen]
+            else:
+                left, want = 24, []
+                for j in sorted(read, key=lambda j: (j.tokens.size - j.fed, j.admitted))[:2]:
+                    want.append((index[id(j)], min(j.tokens.size - j.fed, left)))
+                    left -= want[-1][1]
+            assert sorted((index[id(c.job)], c.tokens.size) for c in plan.chunks) == sorted(want), (n, kind)
+            seen.add((kind, bool(gen and read)))
+            late = [i for i in want if i[0] in came] if kind == "read" else []
+            seen.update(("late", i) for i, _ in late)
+            came = [i for i in arrive_at.get(n, []) if i and kind == "gen"]
+            for i in arrive_at.get(n, []):
+                if i:  # (the first was submitted before the first plan)
+                    eng.submit(jobs[i][0])
+            if plan.chunks:
+                eng.update(plan, eng.execute(plan))
+                reads += kind == "read"
+            prev, n = kind, n + 1
+        assert ("gen", True) in seen and ("read", True) in seen  # both kinds ran beside each other
+        assert sorted(i for k, i in seen if k == "late") == [3, 5]  # read in the step after the one they came in
+        assert eng.stats.prompt_steps == reads and eng.stats.steps == n
+        assert [s.tokens for _, s in jobs] == refs
+        check(eng.prefix)
 
 
 # ---------------------------------------------------------------------------------------------- threads

@@ -178,6 +178,8 @@ def test_tokenize_detokenize_models_health_metrics(server):
     assert server.engine.tiles is None or server.engine.tiles.plausible()  # (None: too busy to measure)
     assert int(values["kvcache_steps_padded_total"]) <= server.engine.prefix.stats.padded_steps
     assert int(values["kvcache_fa_tiles"]) == (server.engine.tiles is not None)
+    assert 1 <= int(values["kvcache_steps_prompt_total"]) <= int(values["kvcache_steps_total"])
+    assert int(values["kvcache_split_steps"]) == (server.args.parallel > 4)
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -239,6 +241,16 @@ def test_parked_default_is_none_with_one_slot(model_path):
     assert [parked("-np", "1", "-kvu"), parked("-np", "2", "-kvu"), parked("-np", "8", "-kvu"), parked("-np", "4")] \
         == [0, 2, 8, 0]
     assert parked("-np", "1", "-kvu", "--parked", "3") == 3
+
+
+def test_split_steps_flag_unset_leaves_it_to_the_slots(model_path):
+    """``--split-steps`` unset passes None (the engine splits with more than 4 slots); given, on or off."""
+    from kvcache_ggml.serve.cli import parse_args
+
+    def split(*extra):
+        return parse_args(["--model", str(model_path), "-np", "8", *extra]).split_steps
+
+    assert [split(), split("--split-steps"), split("--no-split-steps")] == [None, True, False]
 
 
 def test_api_key_and_full_queue(model_path):

@@ -57,7 +57,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="skip the warm-up decode at start (as llama-server's --no-warmup)")
     ap.add_argument("--prompts-per-step", type=int, default=None, metavar="N",
                     help="prompts read in one step, the fewest tokens left first (0: as many as --batch holds, in "
-                         "arrival order; default: 2 with --parallel > 4, else 0)")
+                         "arrival order; default with --parallel > 4: 1 with split steps, else 2; up to 4: 0)")
+    ap.add_argument("--split-steps", action=argparse.BooleanOptionalAction, default=None,
+                    help="a step generates or reads prompts, never both: they alternate while both wait, and "
+                         "requests arriving during a generating step are read in the next (default: with "
+                         "--parallel > 4)")
     ap.add_argument("--fa-tiles", action=argparse.BooleanOptionalAction, default=True,
                     help="steps of 2..63 tokens may take throwaway rows up to 64, where this CPU's flash attention "
                          "computes them faster in tiles (measured at warm-up; default: on)")
@@ -122,7 +126,8 @@ def open_service(a: argparse.Namespace):
                                                    warmup=a.warmup, cache_reuse=a.cache_reuse,
                                                    context_shift=a.context_shift, draft_max=a.draft_max,
                                                    draft_min=a.draft_min, fa_tiles=a.fa_tiles,
-                                                   prompts_per_step=a.prompts_per_step),
+                                                   prompts_per_step=a.prompts_per_step,
+                                                   split_steps=a.split_steps),
                         prefix, drafter)
         svc = Service(engine, vocab, a.alias or a.model.stem, ChatTemplate.from_gguf_kv(model.gguf_kv, vocab),
                       api_key=a.api_key, max_body=int(a.max_body_mib * (1 << 20)), created=int(time.time()),

@@ -7,9 +7,11 @@ Every step is three calls, as vLLM v1 splits it (``schedule`` / execute / ``upda
   :meth:`PrefixCache.attach` the longest cached prefix of the prompt: those tokens are ``cached_tokens``); the batch
   is chosen under the token budget (``step_tokens``, the context's ``n_batch`` by default) -- the next token of
   every decoding request, then chunks of the prompts still being read (chunked prefill, as llama-server and vLLM do
-  it): with more than 4 slots, of two prompts at most, those with the fewest tokens left first
-  (``prompts_per_step``), so that many requests arriving together get their first tokens one pair after another
-  rather than all after the last; and room in the cache is claimed for it (:meth:`PrefixCache.claim` evicts parked
+  it), of ``prompts_per_step`` prompts at most, those with the fewest tokens left first, so that many requests
+  arriving together get their first tokens one after another rather than all after the last.  With more than 4
+  slots steps are split (``split_steps``): a step takes the generating requests' tokens or the prompt chunks, the
+  two kinds in turn while both wait, so that a prompt step is short and a request that arrived during a generating
+  step is read in the next one.  Room in the cache is claimed for the batch (:meth:`PrefixCache.claim` evicts parked
   sequences).  When the cache cannot hold the batch, the prompt chunks wait; when it cannot hold the decoding
   requests alone, the request admitted last is the victim: it ends with ``finish_reason`` "length", or goes back to
   the queue if it has no output yet (what it read stays cached for its next admission).  The result is a typed
@@ -86,6 +88,8 @@ class Engine:
         self._waiting: deque[Job] = deque()            # in the queue, in order (engine thread)
         self._running: list[Job] = []                  # admitted, in admission order (engine thread)
         self._n_admitted = 0                           # admissions so far (engine thread)
+        self._gen_last = False                         # split steps: the last step took the generating requests'
+        #                                                tokens (engine thread; _kinds())
         self._cv = threading.Condition()               # guards the four fields below
         self._inbox: deque[tuple[str, Any]] = deque()  # messages not yet taken: ("submit" | "cancel", job) or
         #                                                ("call", (fn, future))
@@ -287,19 +291,25 @@ class Engine:
         """Take the messages that arrived, end cancelled and expired requests, admit waiting ones, choose the batch
         under the token budget (with a drafter, each decoding request's draft after its token) and claim its room
         in the cache (evicting parked sequences, then dropping the drafts, then holding prompt chunks back, then
-        ending or sending back the request admitted last)."""
+        ending or sending back the request admitted last; with split steps, a prompt step without room generates
+        instead)."""
         plan = StepPlan()
         self._take_messages()
         self._expire()
         self._admit(plan)
-        drafts = self._propose()
+        gen, read = self._kinds()
+        drafts = self._propose() if gen else {}
         while self._running:
-            chunks, held = self._batch(drafts)
+            chunks, held = self._batch(drafts, gen, read)
             if self._claim(chunks):
                 break
             if drafts:  # room is short: the drafts go first
                 self.stats.drafts_dropped += len(drafts)
                 drafts = {}
+                continue
+            if not gen and any(j.state is _S.DECODING for j in self._running):
+                gen, read, self._gen_last = True, False, True  # no room for the prompts: a generating step
+                drafts = self._propose()
                 continue
             dec = [c for c in chunks if c.job.state is _S.DECODING]
             if dec and len(dec) < len(chunks) and self._claim(dec):
@@ -311,6 +321,17 @@ class Engine:
         plan.chunks, plan.held = chunks, held
         plan.n_tokens = sum(c.tokens.size for c in chunks)
         return plan
+
+    def _kinds(self) -> tuple[bool, bool]:
+        """Whether this step takes the generating requests' tokens, and the prompt chunks.  Both, unless steps are
+        split (``EngineParams.split``): then, while requests of both kinds run, the kind the step before did not
+        take; a prompt step follows a step that generated alone."""
+        if not self.params.split():
+            return True, True
+        kinds = {j.state for j in self._running}
+        gen = _S.DECODING in kinds and (_S.PREFILL not in kinds or not self._gen_last)
+        self._gen_last = gen
+        return gen, not gen
 
     def _expire(self) -> None:
         now = _perf()
@@ -382,13 +403,14 @@ class Engine:
                 return True
         return False
 
-    def _batch(self, drafts: dict[Job, np.ndarray]) -> tuple[list[Chunk], list[Job]]:
-        """The step's chunks under the token budget: every decoding request's last token, then the drafts (as many
-        of their tokens as the budget leaves, in admission order), then prompt chunks -- of ``prompts_per_step``
-        prompts at most, the fewest tokens left first, or with 0 of every prompt in admission order; and the
-        reading requests left out."""
+    def _batch(self, drafts: dict[Job, np.ndarray], gen: bool = True,
+               read: bool = True) -> tuple[list[Chunk], list[Job]]:
+        """The step's chunks under the token budget: with ``gen``, every decoding request's last token, then the
+        drafts (as many of their tokens as the budget leaves, in admission order); with ``read``, prompt chunks --
+        of ``prompts_per_step`` prompts at most, the fewest tokens left first, or with 0 of every prompt in
+        admission order; and the reading requests left out for the budget or the limit."""
         chunks = [Chunk(j, np.array(j.generated[-1:], np.int32), True) for j in self._running
-                  if j.state is _S.DECODING]
+                  if gen and j.state is _S.DECODING]
         left, held = self.budget - len(chunks), []
         for c in chunks:
             d = drafts.get(c.job)
@@ -396,7 +418,7 @@ class Engine:
                 d = d[:left]
                 c.tokens, c.n_draft = np.concatenate([c.tokens, d]), d.size
                 left -= d.size
-        reading = [j for j in self._running if j.state is _S.PREFILL]
+        reading = [j for j in self._running if read and j.state is _S.PREFILL]
         limit = self.params.prompt_limit()
         if limit:
             reading.sort(key=lambda j: j.tokens.size - j.fed)  # (stable: admission order among equals)
@@ -467,6 +489,7 @@ class Engine:
         """Apply a decoded step: prompt progress, then one sampled token per chunk that asked for logits (a token
         per accepted draft token more: :meth:`_verify`)."""
         self.stats.steps += 1
+        self.stats.prompt_steps += any(c.job.state is _S.PREFILL for c in plan.chunks)
         for c, row in zip(plan.chunks, rows):
             job = c.job
             if c.n_draft:

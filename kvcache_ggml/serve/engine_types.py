@@ -35,17 +35,31 @@ class EngineParams:
     draft_min: int = 0             # with a drafter: a shorter draft is not verified (the request decodes one token)
     prompts_per_step: int | None = None  # prompts read in one step, the fewest tokens left first (0: as many as
     #                                the budget holds, in admission order): the first tokens sooner when many requests
-    #                                arrive together; None: 2 with n_parallel > 4, else 0 (prompt_limit())
+    #                                arrive together; None: with n_parallel > 4, 1 with split steps, else 2; up to 4
+    #                                slots 0 (prompt_limit())
+    split_steps: bool | None = None  # a step generates or reads prompts, never both: while requests of both kinds
+    #                                run the steps alternate, and a prompt step is planned after the generating step
+    #                                before it (requests that arrived meanwhile join it); None: with n_parallel > 4
+    #                                (split())
     fa_tiles: bool = True          # warm_up() measures whether small steps are cheaper with throwaway rows up to
     #                                ggml's CPU flash-attention tile, and steps take them where so (fa_tiles.py)
 
+    def split(self) -> bool:
+        """Whether steps keep generating tokens and prompt chunks apart.  Unset, with more than 4 slots: at 8 users,
+        with one prompt a step, the TTFT p50 fell by 30 % at 2 % fewer tokens/s; at 4 users it gained 8 % and cost
+        4 % (docs/serving.md, "Prompt steps apart")."""
+        return self.split_steps if self.split_steps is not None else self.n_parallel > 4
+
     def prompt_limit(self) -> int:
-        """Prompts a step reads at most (0: no limit). Unset, 2 with more than 4 slots: at 8 users two a step cut
-        the TTFT p50 by a quarter to a third at equal tokens/s, at 4 users they cost 2-14 % of the tokens/s and
-        gained nothing (docs/serving.md, "Prompts per step")."""
+        """Prompts a step reads at most (0: no limit).  Unset, with more than 4 slots one a step when steps are
+        split, else two: at 8 users two a step in mixed steps cut the TTFT p50 by a quarter to a third at equal
+        tokens/s; up to 4 slots no limit, where two a step cost 2-14 % of the tokens/s and gained nothing
+        (docs/serving.md, "Prompts per step")."""
         if self.prompts_per_step is not None:
             return self.prompts_per_step
-        return 2 if self.n_parallel > 4 else 0
+        if self.n_parallel <= 4:
+            return 0
+        return 1 if self.split() else 2
 
     def check(self, n_seq: int, n_batch: int) -> None:
         if not 1 <= self.n_parallel <= n_seq:
@@ -78,6 +92,7 @@ class EngineStats:
     computed_tokens: int = 0       # of them decoded
     generated_tokens: int = 0      # tokens sampled
     steps: int = 0                 # batches decoded
+    prompt_steps: int = 0          # of them, those with prompt chunks
     ended_full: int = 0            # requests ended ("length") or sent back to the queue because the cache was full
     plan_misses: int = 0           # steps whose decode found no slot although the plan had claimed the room
     drafts: int = 0                # drafts verified (speculative decoding)
