@@ -162,17 +162,19 @@ def test_ngram_lookup_is_the_most_recent_longest_match():
 
 # ---------------------------------------------------------------------------------------------- greedy equality
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kind", ["ngram", "same", "other"])
-def test_greedy_output_and_cells_equal_decoding_without_draft(models, kind):
+def test_greedy_output_and_cells_equal_decoding_without_draft(models, kind, split):
     """Four users, three at a time, max_tokens ending some of them in the middle of an accepted run: the tokens,
     finish reasons, the ended sequences' cells and index entries, and the cells used at the end are those of the
-    engine without a drafter."""
+    engine without a drafter -- with steps mixed and split (``split_steps``: the drafts in the generating steps,
+    the fourth prompt read in a step of its own)."""
     model = models["target"]
     vocab = Vocab.from_kv(model.gguf_kv)
     ps = prompts(4, 7, 4, seed=3)
     n = [17, 23, 9, 30]
     margins_ok(model, vocab, ps, max(n))
-    ref, used, _ = run(model, vocab, ps, n)
+    ref, used, _ = run(model, vocab, ps, n, split_steps=split)
     dctx = None
     if kind == "ngram":
         drafter = NgramDrafter(1, 4)
@@ -180,7 +182,7 @@ def test_greedy_output_and_cells_equal_decoding_without_draft(models, kind):
         dctx = draft_ctx(models["target" if kind == "same" else "other"])
         drafter = ModelDrafter(dctx, vocab, p_min=0.0)
     try:
-        got, used_d, st = run(model, vocab, ps, n, drafter, draft_max=5)
+        got, used_d, st = run(model, vocab, ps, n, drafter, draft_max=5, split_steps=split)
     finally:
         if dctx is not None:
             dctx.close()
