@@ -53,6 +53,7 @@ from ..runtime.context import DecodeError
 from ..runtime.fa_tiles import TILE_Q, FaTiles
 from .engine_types import Chunk, EngineParams, EngineSnapshot, EngineStats, QueueFull, StepPlan
 from .request import Event, Job, RequestState
+from .schedule import choose_batch, step_kinds
 from .shift import check_shift_fields, shift_job
 from .results import TokenLogprob, Usage
 from .speculative import Drafter, DraftRequest
@@ -89,7 +90,7 @@ class Engine:
         self._running: list[Job] = []                  # admitted, in admission order (engine thread)
         self._n_admitted = 0                           # admissions so far (engine thread)
         self._gen_last = False                         # split steps: the last step took the generating requests'
-        #                                                tokens (engine thread; _kinds())
+        #                                                tokens (engine thread; schedule.step_kinds)
         self._cv = threading.Condition()               # guards the four fields below
         self._inbox: deque[tuple[str, Any]] = deque()  # messages not yet taken: ("submit" | "cancel", job) or
         #                                                ("call", (fn, future))
@@ -297,10 +298,11 @@ class Engine:
         self._take_messages()
         self._expire()
         self._admit(plan)
-        gen, read = self._kinds()
+        gen, read = step_kinds(self._running, self._gen_last) if self.params.split() else (True, True)
+        self._gen_last, limit = gen, self.params.prompt_limit()
         drafts = self._propose() if gen else {}
         while self._running:
-            chunks, held = self._batch(drafts, gen, read)
+            chunks, held = choose_batch(self._running, drafts, self.budget, limit, gen, read)
             if self._claim(chunks):
                 break
             if drafts:  # room is short: the drafts go first
@@ -321,17 +323,6 @@ class Engine:
         plan.chunks, plan.held = chunks, held
         plan.n_tokens = sum(c.tokens.size for c in chunks)
         return plan
-
-    def _kinds(self) -> tuple[bool, bool]:
-        """Whether this step takes the generating requests' tokens, and the prompt chunks.  Both, unless steps are
-        split (``EngineParams.split``): then, while requests of both kinds run, the kind the step before did not
-        take; a prompt step follows a step that generated alone."""
-        if not self.params.split():
-            return True, True
-        kinds = {j.state for j in self._running}
-        gen = _S.DECODING in kinds and (_S.PREFILL not in kinds or not self._gen_last)
-        self._gen_last = gen
-        return gen, not gen
 
     def _expire(self) -> None:
         now = _perf()
@@ -402,34 +393,6 @@ class Engine:
             if shared > cached and r.fed < shared:
                 return True
         return False
-
-    def _batch(self, drafts: dict[Job, np.ndarray], gen: bool = True,
-               read: bool = True) -> tuple[list[Chunk], list[Job]]:
-        """The step's chunks under the token budget: with ``gen``, every decoding request's last token, then the
-        drafts (as many of their tokens as the budget leaves, in admission order); with ``read``, prompt chunks --
-        of ``prompts_per_step`` prompts at most, the fewest tokens left first, or with 0 of every prompt in
-        admission order; and the reading requests left out for the budget or the limit."""
-        chunks = [Chunk(j, np.array(j.generated[-1:], np.int32), True) for j in self._running
-                  if gen and j.state is _S.DECODING]
-        left, held = self.budget - len(chunks), []
-        for c in chunks:
-            d = drafts.get(c.job)
-            if d is not None and left > 0:
-                d = d[:left]
-                c.tokens, c.n_draft = np.concatenate([c.tokens, d]), d.size
-                left -= d.size
-        reading = [j for j in self._running if read and j.state is _S.PREFILL]
-        limit = self.params.prompt_limit()
-        if limit:
-            reading.sort(key=lambda j: j.tokens.size - j.fed)  # (stable: admission order among equals)
-        for i, j in enumerate(reading):
-            if left <= 0 or (limit and i >= limit):
-                held.append(j)
-                continue
-            piece = j.tokens[j.fed:j.fed + left]
-            chunks.append(Chunk(j, piece, j.fed + piece.size == j.tokens.size))
-            left -= piece.size
-        return chunks, held
 
     def _propose(self) -> dict[Job, np.ndarray]:
         """Each decoding request's draft from the drafter (none shorter than ``draft_min``, none that would pass
