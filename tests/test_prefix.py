@@ -68,7 +68,8 @@ def test_tree_matches_brute_force(entries, queries, data):
         assert tree.check(held) == []
     for i in data.draw(st.lists(st.sampled_from(sorted(held)), unique=True)) if held else []:
         more = data.draw(token_lists)
-        tree.extend(i, held[i], more)          # in place at a leaf of its own, else remove + insert
+        tree.extend(i, held[i], more)          # in place at a leaf of its own, a new leaf below a shared node,
+        #                                        else remove + insert
         held[i] = np.concatenate([held[i], more])
         assert tree.check(held) == []
     for q in queries + list(held.values()):

@@ -20,6 +20,12 @@ _EMPTY = np.zeros(0, np.int32)
 
 def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
     """int32 [n] from a sequence of token ids; ValueError for anything else."""
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1 and tokens.size:
+        # (the serving loop's case, a token or a chunk each step: no copy, one check, none for one token)
+        if (int(tokens[0]) if tokens.size == 1 else int(tokens.min())) < 0:
+            raise ValueError(f"{what}: token ids must be in [0, 2**31), got "
+                             f"[{int(tokens.min())}, {int(tokens.max())}]")
+        return tokens
     a = np.asarray(tokens)
     if a.size == 0:
         return np.zeros(0, np.int32)
@@ -82,10 +88,31 @@ class RadixTree:
     def insert(self, entry: Any, tokens: np.ndarray) -> None:
         """Register ``entry`` as holding ``tokens`` (non-empty; the entry must not be in the tree)."""
         assert entry not in self.root.holders, "entry inserted twice"
-        n = tokens.size
-        assert n > 0, "an entry without tokens holds no prefix"
-        node, d = self.root, 0
-        node.holders.add(entry)
+        assert tokens.size > 0, "an entry without tokens holds no prefix"
+        self.root.holders.add(entry)
+        self._place(entry, self.root, tokens)
+
+    def extend(self, entry: Any, tokens: np.ndarray, more: np.ndarray) -> None:
+        """``entry`` held ``tokens`` and now holds ``tokens + more`` (the decode step): in place when it alone ends
+        at a leaf, else placed below the node it ended at (the path above it is unchanged), else removed and
+        inserted again."""
+        node = self._end.get(entry)
+        if node is None or node is self.root:
+            self.insert(entry, np.concatenate([tokens, more]))
+            return
+        if not more.size:
+            return
+        if not node.children and len(node.holders) == 1:  # alone at a leaf: the edge grows
+            node.edge = np.concatenate([node.edge, more])
+            return
+        node.ends.discard(entry)
+        self._place(entry, node, more)
+        if not node.ends and len(node.children) == 1:  # it went down the node's only child, which now folds in
+            self._merge(node)
+
+    def _place(self, entry: Any, node: Node, tokens: np.ndarray) -> None:
+        """Register ``entry``, a holder of ``node`` already, as holding ``node``'s path + ``tokens`` (non-empty)."""
+        d, n = 0, tokens.size
         while d < n:
             child = node.children.get(int(tokens[d]))
             if child is None:
@@ -101,17 +128,6 @@ class RadixTree:
             node = child
         node.ends.add(entry)
         self._end[entry] = node
-
-    def extend(self, entry: Any, tokens: np.ndarray, more: np.ndarray) -> None:
-        """``entry`` held ``tokens`` and now holds ``tokens + more``: in place when it alone ends at a leaf (the
-        decode step), else removed and inserted again."""
-        node = self._end.get(entry)
-        if node is not None and not node.children and len(node.holders) == 1 and more.size:
-            node.edge = np.concatenate([node.edge, more])
-            return
-        if node is not None:
-            self.remove(entry, tokens)
-        self.insert(entry, np.concatenate([tokens, more]))
 
     def remove(self, entry: Any, tokens: np.ndarray) -> None:
         """Unregister ``entry``, which holds ``tokens``; nodes left without entries go, single children merge."""
