@@ -10,6 +10,7 @@ are a :class:`~kvcache_ggml.prefix.index.SeqIndex` (:mod:`.index`); the consiste
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -227,20 +228,22 @@ class PrefixCache:
             chunks.append(toks)
         if len({e.seq_id for e in entries}) != len(entries):
             raise ValueError(f"advance needs distinct sequences, got {[int(p[0]) for p in parts]}")
-        sizes = np.array([c.size for c in chunks])
-        n = int(sizes.sum())
+        sizes = [c.size for c in chunks]  # (lists, not arrays: a step has few parts, most of one token)
+        n = sum(sizes)
         if n > self.ctx.cparams.n_batch:
             raise ValueError(f"advance: {n} tokens exceed n_batch = {self.ctx.cparams.n_batch}")
-        ends = np.cumsum(sizes) - 1
+        ends = list(accumulate(sizes))  # (one past each part's last token)
+        want = [bool(p[2]) for p in parts]
         flags = np.zeros(n, np.int8)
-        want = np.array([bool(p[2]) for p in parts])
-        flags[ends[want]] = 1
         for i in every:
-            flags[ends[i] + 1 - sizes[i]:ends[i] + 1] = 1
+            flags[ends[i] - sizes[i]:ends[i]] = 1
             want[i] = True
-        seq = np.repeat(np.array([e.seq_id for e in entries], np.int32), sizes)
+        flags[[ends[i] - 1 for i in range(len(parts)) if want[i]]] = 1
+        seq = np.array([e.seq_id for e in entries], np.int32)
+        if n != len(parts):
+            seq = np.repeat(seq, sizes)
         tokens = np.concatenate(chunks)
-        pad, p_pad = (tiles.pad(self.ctx, [e.seq_id for e in entries], [e.stream for e in entries], sizes.tolist())
+        pad, p_pad = (tiles.pad(self.ctx, [e.seq_id for e in entries], [e.stream for e in entries], sizes)
                       if tiles is not None else (0, 0))
         if pad:  # throwaway tokens after the last part's (no logits): the step reaches flash attention's tiles
             last = entries[-1]
@@ -263,10 +266,15 @@ class PrefixCache:
         self.stats.tokens_decoded += n
         out: list[np.ndarray | None] = [None] * len(parts)  # (rows of the decode's own new array: no copy)
         k, full = 0, set(every)
-        for i in np.flatnonzero(want).tolist():
-            n = int(sizes[i]) if i in full else 1
-            out[i] = logits[k:k + n] if i in full else logits[k]
-            k += n
+        for i in range(len(parts)):
+            if not want[i]:
+                continue
+            if i in full:
+                out[i] = logits[k:k + sizes[i]]
+                k += sizes[i]
+            else:
+                out[i] = logits[k]
+                k += 1
         return out
 
     def release(self, seq_id: int) -> None:

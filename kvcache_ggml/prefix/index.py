@@ -105,7 +105,7 @@ class SeqIndex:
     def check_tokens(self, tokens: Any) -> np.ndarray:
         """int32 [n] token ids, each below the model's vocabulary size (ValueError otherwise)."""
         toks = as_tokens(tokens)
-        if toks.size and int(toks.max()) >= self.ctx.n_vocab:
+        if toks.size and (int(toks[0]) if toks.size == 1 else int(toks.max())) >= self.ctx.n_vocab:
             raise ValueError(f"token id {int(toks.max())} out of range [0, n_vocab={self.ctx.n_vocab})")
         return toks
 
