@@ -118,6 +118,45 @@ def test_many_logit_biases_each_added_once():
     assert not np.shares_memory(got, x)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_without_the_copy_equals_argmax_of_the_adjusted_row(seed):
+    """Greedy sampling skips the row's copy where only logit_bias and ignore_eos apply (Sampler._greedy): the
+    token is np.argmax of adjusted() whatever the ties, biases, masked end tokens and NaNs (small integer logits
+    make ties common; the raw argmax is often a biased or masked id, where the copy is taken)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 60))
+    x = rng.integers(-3, 4, n).astype(np.float32)
+    if seed % 7 == 3:
+        x[rng.integers(n)] = np.nan
+    bias = {int(i): float(rng.choice([-100.0, -1.0, 0.0, 1.0, 2.0, 100.0]))
+            for i in rng.choice(n, int(rng.integers(0, n // 3 + 1)), replace=False)}
+    eog = rng.choice(n, int(rng.integers(0, 3)), replace=False).tolist()
+    for ignore_eos in (False, True):
+        s = Sampler(SamplingParams(temperature=0.0, logit_bias=bias, ignore_eos=ignore_eos), n, eog=eog)
+        want = int(np.argmax(s.adjusted(x)))
+        assert s.sample(x) == want
+        fast = s._greedy(x)
+        assert fast in (-1, want)  # (the shortcut answers the argmax or hands over to the copy)
+        assert s.sample(x.astype(np.float64)) == int(np.argmax(s.adjusted(x.astype(np.float64))))
+
+
+def test_greedy_shortcut_answers_when_the_argmax_is_untouched():
+    x = _logits(9)
+    top = int(np.argmax(x))
+    others = [i for i in range(N) if i != top][:200]
+    s = Sampler(SamplingParams(temperature=0.0, logit_bias={i: -5.0 for i in others}, ignore_eos=True), N, eog=[5])
+    assert s._greedy(x) == top == int(np.argmax(s.adjusted(x)))
+    s = Sampler(SamplingParams(temperature=0.0, logit_bias={others[0]: 100.0}), N)
+    assert s._greedy(x) == others[0] == int(np.argmax(s.adjusted(x)))  # a boosted id wins over the raw argmax
+    y = np.array([0.0, 1.0, 3.0, 2.0, 3.0], np.float32)   # raw argmax 2, untouched
+    for bias, eog, want in [({1: 2.0}, [], 1),             # a tie at 3.0: the lower id, a touched one, wins
+                            ({3: 1.0}, [], 2),             # a tie at 3.0: the lower id, the raw argmax, wins
+                            ({1: 5.0}, [1], 2),            # the boosted id is an end token, masked
+                            ({0: 9.0, 1: 9.5}, [1], 0)]:   # ... and the next boosted one wins
+        s = Sampler(SamplingParams(temperature=0.0, logit_bias=bias, ignore_eos=True), 5, eog=eog)
+        assert s._greedy(y) == want == int(np.argmax(s.adjusted(y))), (bias, eog)
+
+
 def test_ignore_eos():
     x = np.array([0.0, 5.0, 1.0], np.float32)
     assert Sampler(SamplingParams(temperature=0.0), 3, eog=[1]).sample(x) == 1

@@ -70,6 +70,13 @@ class Sampler:
         self.counts: dict[int, int] = {}  # generated token id -> times generated (for the penalties)
         self._bias_ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64, count=len(params.logit_bias))
         self._bias = np.fromiter(params.logit_bias.values(), dtype=np.float32, count=len(params.logit_bias))
+        # greedy without penalties (_greedy): the ids steps 1 and 3 change (sorted), what step 1 adds to each
+        # (float32, 0 where it adds nothing) and which of them step 3 masks
+        masked = self.eog if params.ignore_eos else np.zeros(0, np.int64)
+        self._touched = np.union1d(self._bias_ids, masked)
+        self._touch_add = np.zeros(self._touched.size, np.float32)
+        self._touch_add[np.searchsorted(self._touched, self._bias_ids)] = self._bias
+        self._touch_masked = np.isin(self._touched, masked)
 
     def accept(self, token: int) -> None:
         """Record a generated token (it counts for the presence and frequency penalties from now on)."""
@@ -91,10 +98,35 @@ class Sampler:
             x[self.eog] = -np.inf
         return x
 
+    def _greedy(self, logits: np.ndarray) -> int:
+        """``argmax(adjusted(logits))`` without the copy, where steps 1 and 3 are all there is: the raw argmax,
+        unless steps 1 and 3 touch it, against the adjusted values of the ids they touch (ties to the lowest id, as
+        argmax has them); -1 where that cannot say (the raw argmax is touched, a NaN, a row that is not float32):
+        the caller takes the copy."""
+        if logits.shape != (self.n_vocab,) or logits.dtype != np.float32:
+            return -1
+        i = int(np.argmax(logits))
+        best = logits[i]
+        touched = self._touched
+        if not touched.size:
+            return i
+        k = int(np.searchsorted(touched, i))
+        if (k < touched.size and touched[k] == i) or best != best:
+            return -1
+        v = logits[touched] + self._touch_add
+        v[self._touch_masked] = -np.inf
+        j = int(np.argmax(v))  # (no NaN here: a NaN anywhere is the raw argmax, answered above)
+        t = int(touched[j])
+        return t if v[j] > best or (v[j] == best and t < i) else i
+
     def sample(self, logits: np.ndarray) -> int:
         """One token id drawn from ``logits`` (float32, n_vocab) by the chain above."""
-        x = self.adjusted(logits)
         p = self.params
+        if p.temperature <= 0 and not (self.counts and (p.presence_penalty or p.frequency_penalty)):
+            tok = self._greedy(logits)
+            if tok >= 0:
+                return tok
+        x = self.adjusted(logits)
         if p.temperature <= 0:
             return int(np.argmax(x))
         ids: np.ndarray | None = None  # ids of the candidates in v; None: all, in id order
