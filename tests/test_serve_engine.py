@@ -630,3 +630,16 @@ def common_len(a, b):
     m = min(len(a), len(b))
     neq = np.flatnonzero(np.asarray(a[:m]) != np.asarray(b[:m]))
     return int(neq[0]) if neq.size else m
+
+
+def test_stats_copy_is_a_detached_copy_of_every_counter():
+    """EngineStats.copy (the snapshot's copy after every step) carries each counter and shares nothing after."""
+    from dataclasses import fields
+
+    from kvcache_ggml.serve.engine import EngineStats
+    st = EngineStats(**{f.name: 10 + i for i, f in enumerate(fields(EngineStats))})
+    cp = st.copy()
+    assert cp == st and cp is not st
+    for f in fields(EngineStats):
+        setattr(st, f.name, getattr(st, f.name) + 1)
+        assert getattr(cp, f.name) == getattr(st, f.name) - 1

@@ -42,7 +42,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -574,7 +573,7 @@ class Engine:
 
     def _make_snapshot(self) -> EngineSnapshot:
         kv, pst = self.ctx.kv, self.prefix.stats
-        return EngineSnapshot(replace(self.stats), len(self._running), len(self._waiting), kv.get_used(),
+        return EngineSnapshot(self.stats.copy(), len(self._running), len(self._waiting), kv.get_used(),
                               kv.get_size() * kv.get_n_stream(), pst.hits_device, pst.hits_host, pst.evictions,
                               pst.padded_steps)
 

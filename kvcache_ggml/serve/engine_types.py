@@ -3,7 +3,8 @@ snapshot other threads read (:class:`EngineSnapshot`) and one step's plan (:clas
 engine itself is :mod:`.engine`, which re-exports them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -100,6 +101,13 @@ class EngineStats:
     draft_accepted: int = 0        # of them, the tokens accepted (llama-server's draft_n_accepted)
     drafts_dropped: int = 0        # drafts proposed but not verified: the cache had no room for them
     context_shifts: int = 0        # context shifts of decoding requests (``context_shift``)
+
+    def copy(self) -> "EngineStats":
+        """A copy (the snapshot's, after every step: a fifth of ``dataclasses.replace``'s cost)."""
+        return EngineStats(*_stats_values(self))
+
+
+_stats_values = operator.attrgetter(*(f.name for f in fields(EngineStats)))  # (the counters, in field order)
 
 
 @dataclass(slots=True, frozen=True)

@@ -41,7 +41,11 @@ class TextStream:
         """The text that may be sent after ``token``: "" while everything new is held back or after a stop."""
         if self.stopped:
             return ""
-        return self._release(self._dec.push(token), final=False)
+        new = self._dec.push(token)
+        if not self.stops:  # (nothing is ever held back: no search)
+            self.text += new
+            return new
+        return self._release(new, final=False)
 
     def finish(self) -> str:
         """The rest of the text at the end of generation (nothing after a stop)."""
