@@ -10,8 +10,8 @@ are a :class:`~kvcache_ggml.prefix.index.SeqIndex` (:mod:`.index`); the consiste
 from __future__ import annotations
 
 import time
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np

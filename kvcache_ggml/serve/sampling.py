@@ -14,7 +14,9 @@
    tokens whose probability is at least min_p times the best one, ``logit >= max + log(min_p)``), then the
    temperature divides the logits, a softmax and one draw from the request's own ``np.random.Generator``.
 
-Steps 1-3 are applied to a float32 copy of the row; the candidates' softmax and the draw are float64.  No step loops
+Steps 1-3 are applied to a float32 copy of the row; the candidates' softmax and the draw are float64.  Greedy
+sampling without penalties takes no copy: the raw argmax, unless steps 1 or 3 touch it, against the adjusted
+values of the few ids they touch (the same token as the copy's argmax, ties included).  No step loops
 in Python over the vocabulary.  ``top_p`` sorts only as many of the largest logits as it needs (128, then 8 times
 more, then all).
 
