@@ -96,17 +96,16 @@ def main() -> int:
             eng.submit(job)
             eng.step()  # (the prompt)
             spent.clear()
-            wall[0], steps, per = 0.0, 0, []
+            wall[0], per = 0.0, []
             while eng._running:
                 before = spent["compute"]
                 t = cpu()
                 eng.step()
                 per.append(cpu() - t - (spent["compute"] - before))
-                steps += 1
             if r == 0:
                 continue  # (the first request warms the paths up)
             host.append(statistics.median(per))
-            parts.append({k: v / steps for k, v in spent.items()})
+            parts.append({k: v / len(per) for k, v in spent.items()})
             ratio.append(sum(per) / wall[0])
         med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
         print(f"model {model_path.name}, -t {a.threads}; {a.requests} requests of {a.reply} tokens, one at a time")

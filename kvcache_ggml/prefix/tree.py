@@ -20,12 +20,9 @@ _EMPTY = np.zeros(0, np.int32)
 
 def as_tokens(tokens: Any, what: str = "tokens") -> np.ndarray:
     """int32 [n] from a sequence of token ids; ValueError for anything else."""
-    if type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1 and tokens.size:
-        # (the serving loop's case, a token or a chunk each step: no copy, one check, none for one token)
-        if (int(tokens[0]) if tokens.size == 1 else int(tokens.min())) < 0:
-            raise ValueError(f"{what}: token ids must be in [0, 2**31), got "
-                             f"[{int(tokens.min())}, {int(tokens.max())}]")
-        return tokens
+    if (type(tokens) is np.ndarray and tokens.dtype == np.int32 and tokens.ndim == 1 and tokens.size
+            and (int(tokens[0]) if tokens.size == 1 else int(tokens.min())) >= 0):
+        return tokens  # (the serving loop's case, a token or a chunk each step: no copy, one scan, none for one)
     a = np.asarray(tokens)
     if a.size == 0:
         return np.zeros(0, np.int32)
@@ -97,7 +94,7 @@ class RadixTree:
         at a leaf, else placed below the node it ended at (the path above it is unchanged), else removed and
         inserted again."""
         node = self._end.get(entry)
-        if node is None or node is self.root:
+        if node is None:
             self.insert(entry, np.concatenate([tokens, more]))
             return
         if not more.size:
