@@ -140,6 +140,26 @@ def test_greedy_without_the_copy_equals_argmax_of_the_adjusted_row(seed):
         assert s.sample(x.astype(np.float64)) == int(np.argmax(s.adjusted(x.astype(np.float64))))
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_with_biases_that_only_lower_answers_the_untouched_raw_argmax(seed):
+    """Where logit_bias only lowers logits (and ignore_eos masks), _greedy answers an untouched raw argmax without
+    reading the touched ids: checked against np.argmax of adjusted() with many ties (small integer logits), biases
+    down to a float32 rounding's size, and touched ids both below and above the raw argmax."""
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(2, 60))
+    x = rng.integers(-3, 4, n).astype(np.float32)
+    bias = {int(i): float(rng.choice([-100.0, -1.0, -1e-9, 0.0]))
+            for i in rng.choice(n, int(rng.integers(1, n // 2 + 2)), replace=False)}
+    eog = rng.choice(n, int(rng.integers(0, 3)), replace=False).tolist()
+    for ignore_eos in (False, True):
+        s = Sampler(SamplingParams(temperature=0.0, logit_bias=bias, ignore_eos=ignore_eos), n, eog=eog)
+        want = int(np.argmax(s.adjusted(x)))
+        raw = int(np.argmax(x))
+        touched = set(bias) | (set(eog) if ignore_eos else set())
+        assert s._greedy(x) == (-1 if raw in touched else want)
+        assert s.sample(x) == want
+
+
 def test_greedy_shortcut_answers_when_the_argmax_is_untouched():
     x = _logits(9)
     top = int(np.argmax(x))
@@ -155,6 +175,9 @@ def test_greedy_shortcut_answers_when_the_argmax_is_untouched():
                             ({0: 9.0, 1: 9.5}, [1], 0)]:   # ... and the next boosted one wins
         s = Sampler(SamplingParams(temperature=0.0, logit_bias=bias, ignore_eos=True), 5, eog=eog)
         assert s._greedy(y) == want == int(np.argmax(s.adjusted(y))), (bias, eog)
+    z = np.array([2.75, 3.0], np.float32)  # any raise, however small, may tie the raw argmax from below
+    s = Sampler(SamplingParams(temperature=0.0, logit_bias={0: 0.25}), 2)
+    assert s._greedy(z) == 0 == int(np.argmax(s.adjusted(z)))
 
 
 def test_ignore_eos():

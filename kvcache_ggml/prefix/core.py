@@ -216,7 +216,7 @@ class PrefixCache:
         is the same; ``stats.padded_steps`` / ``padded_rows`` count them."""
         if not parts:
             raise ValueError("advance needs at least one part")
-        every = sorted({int(i) for i in all_rows})
+        every = sorted({int(i) for i in all_rows}) if all_rows else []
         if every and not 0 <= every[0] <= every[-1] < len(parts):
             raise ValueError(f"advance: all_rows {every} out of range [0, {len(parts)})")
         entries, chunks = [], []
@@ -234,17 +234,20 @@ class PrefixCache:
             raise ValueError(f"advance: {n} tokens exceed n_batch = {self.ctx.cparams.n_batch}")
         ends = list(accumulate(sizes))  # (one past each part's last token)
         want = [bool(p[2]) for p in parts]
-        flags = np.zeros(n, np.int8)
-        for i in every:
-            flags[ends[i] - sizes[i]:ends[i]] = 1
-            want[i] = True
-        flags[[ends[i] - 1 for i in range(len(parts)) if want[i]]] = 1
+        if n == len(parts) and all(want):  # (a generating step: one token a part, every one an output)
+            flags = np.ones(n, np.int8)
+        else:
+            flags = np.zeros(n, np.int8)
+            for i in every:
+                flags[ends[i] - sizes[i]:ends[i]] = 1
+                want[i] = True
+            flags[[ends[i] - 1 for i in range(len(parts)) if want[i]]] = 1
         seq = np.array([e.seq_id for e in entries], np.int32)
         if n != len(parts):
             seq = np.repeat(seq, sizes)
         tokens = np.concatenate(chunks)
         pad, p_pad = (tiles.pad(self.ctx, [e.seq_id for e in entries], [e.stream for e in entries], sizes)
-                      if tiles is not None else (0, 0))
+                      if tiles is not None and n > 1 else (0, 0))  # (one token is never padded)
         if pad:  # throwaway tokens after the last part's (no logits): the step reaches flash attention's tiles
             last = entries[-1]
             tokens = np.concatenate([tokens, np.full(pad, tokens[-1], np.int32)])

@@ -451,19 +451,21 @@ class Engine:
         """Apply a decoded step: prompt progress, then one sampled token per chunk that asked for logits (a token
         per accepted draft token more: :meth:`_verify`)."""
         self.stats.steps += 1
-        self.stats.prompt_steps += any(c.job.state is _S.PREFILL for c in plan.chunks)
+        prompt_step = False
         for c, row in zip(plan.chunks, rows):
             job = c.job
             if c.n_draft:
                 self._verify(c, row)
                 continue
             if job.state is _S.PREFILL:
+                prompt_step = True
                 job.fed += c.tokens.size
                 self.stats.computed_tokens += c.tokens.size
                 if not c.sample:
                     continue
                 job.move(_S.DECODING)
             self._sampled(job, row)
+        self.stats.prompt_steps += prompt_step
 
     def _verify(self, c: Chunk, rows: np.ndarray) -> None:
         """llama.cpp's rule: a token sampled from each row in turn, going on while it equals the draft's token

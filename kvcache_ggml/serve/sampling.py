@@ -16,7 +16,8 @@
 
 Steps 1-3 are applied to a float32 copy of the row; the candidates' softmax and the draw are float64.  Greedy
 sampling without penalties takes no copy: the raw argmax, unless steps 1 or 3 touch it, against the adjusted
-values of the few ids they touch (the same token as the copy's argmax, ties included).  No step loops
+values of the few ids they touch (the same token as the copy's argmax, ties included); where they only lower
+logits (bans, masked end tokens), an untouched raw argmax is the answer without looking at them.  No step loops
 in Python over the vocabulary.  ``top_p`` sorts only as many of the largest logits as it needs (128, then 8 times
 more, then all).
 
@@ -79,6 +80,11 @@ class Sampler:
         self._touch_add = np.zeros(self._touched.size, np.float32)
         self._touch_add[np.searchsorted(self._touched, self._bias_ids)] = self._bias
         self._touch_masked = np.isin(self._touched, masked)
+        # ... the same ids as a set (is the raw argmax touched?), and whether steps 1 and 3 only lower logits: then
+        # an untouched raw argmax is the answer, no touched id can pass it (nor tie it from below: the raw argmax
+        # is the lowest id of the largest logit)
+        self._touched_set = frozenset(self._touched.tolist())
+        self._only_lower = bool(np.all(self._touch_add <= 0))
 
     def accept(self, token: int) -> None:
         """Record a generated token (it counts for the presence and frequency penalties from now on)."""
@@ -112,9 +118,10 @@ class Sampler:
         touched = self._touched
         if not touched.size:
             return i
-        k = int(np.searchsorted(touched, i))
-        if (k < touched.size and touched[k] == i) or best != best:
+        if i in self._touched_set or best != best:
             return -1
+        if self._only_lower:
+            return i
         v = logits[touched] + self._touch_add
         v[self._touch_masked] = -np.inf
         j = int(np.argmax(v))  # (no NaN here: a NaN anywhere is the raw argmax, answered above)
