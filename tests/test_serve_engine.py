@@ -387,6 +387,36 @@ def test_the_wake_comes_once_a_step_that_emitted(model):
         eng.stop()
 
 
+@pytest.mark.parametrize("every", [0.0, 1e9])
+def test_the_snapshot_follows_every_change_of_requests_and_the_counters_at_its_interval(model, monkeypatch, every):
+    """The snapshot is published after each step that admits, ends or sends back a request; after the others only
+    once _PUBLISH_EVERY has passed (0: every step; 1e9: none), so an idle engine's snapshot is always current."""
+    import kvcache_ggml.serve.engine as engine_module
+    monkeypatch.setattr(engine_module, "_PUBLISH_EVERY", every)
+    vocab = Vocab.from_kv(model.gguf_kv)
+    ps = prompts(2, 12, seed=41)
+    with Context(model, params()) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=1))
+        js = [job(vocab, p, n) for p, n in zip(ps, (5, 3))]
+        for j, _ in js:
+            eng.submit(j)
+        seen = []
+        while eng.n_running or eng.queue_depth:
+            before = (eng.stats.requests, len(eng._running), len(eng._waiting))
+            eng.step()
+            snap = eng.snapshot()
+            changed = before != (eng.stats.requests, len(eng._running), len(eng._waiting))
+            seen.append((changed, snap.stats == eng.stats))
+            if changed or every == 0.0:
+                assert snap.stats == eng.stats and snap.n_running == len(eng._running)
+                assert snap.n_waiting == len(eng._waiting) and snap.kv_used == ctx.kv.get_used()
+        assert eng.snapshot().stats == eng.stats and eng.snapshot().n_running == 0
+        if every:  # (the steps that only generated left the counters of the step before)
+            assert [c for c, _ in seen] == [fresh for _, fresh in seen] and seen.count((False, False)) >= 4
+        for (j, s), p, n in zip(js, ps, (5, 3)):
+            assert s.tokens == alone(model, p, n)[0]
+
+
 def test_plan_execute_update_are_separate_steps(model):
     """plan() claims the room and admits without decoding; execute() decodes exactly the plan's tokens; update()
     samples: the cells grow by the plan's n_tokens, and the first token equals the prompt served alone."""

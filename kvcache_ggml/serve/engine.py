@@ -30,11 +30,12 @@ Threads
 The engine's state belongs to the thread that runs the steps (:meth:`start`'s thread, or the caller of
 :meth:`run_until_idle`).  Other threads talk to it through messages only -- :meth:`submit`, :meth:`cancel` and
 :meth:`call` (a function run between two steps, e.g. to evict or inspect the cache) -- and read the immutable
-:class:`EngineSnapshot` it publishes after taking its messages and after every step (:meth:`snapshot`, what
-``/metrics`` prints).  Events reach the caller through ``Job.emit``, called on the engine's thread; a caller that
-only queues them there is woken once after each step that emitted any (:meth:`Engine.set_wake`).  The engine never
-raises out of its loop: an unexpected error ends the requests of that step with an error event and the loop goes
-on.  The engine knows nothing of HTTP.
+:class:`EngineSnapshot` it publishes after taking its messages, after every step that admits, ends or sends back a
+request, and after the others at least every ``_PUBLISH_EVERY`` seconds (:meth:`snapshot`, what ``/metrics`` prints:
+its counters may lag a running request's steps by that much, never an idle engine's).  Events reach the caller
+through ``Job.emit``, called on the engine's thread; a caller that only queues them there is woken once after each
+step that emitted any (:meth:`Engine.set_wake`).  The engine never raises out of its loop: an unexpected error ends
+the requests of that step with an error event and the loop goes on.  The engine knows nothing of HTTP.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ __all__ = ["EngineParams", "Engine", "QueueFull", "EngineStats", "EngineSnapshot
 
 _perf = time.perf_counter
 _S = RequestState
+_PUBLISH_EVERY = 0.01  # seconds: the longest a published snapshot lags the steps while no request comes or goes
 
 
 class Engine:
@@ -96,6 +98,7 @@ class Engine:
         self._inbox_jobs = 0                           # submissions among them
         self._stop = False                             # stop() was called
         self._snapshot = self._make_snapshot()
+        self._t_published = _perf()                    # when the snapshot was made (engine thread)
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()                 # set once the engine thread has warmed up
         self._wake: Callable[[], None] | None = None   # called once after events were emitted (set_wake)
@@ -244,6 +247,7 @@ class Engine:
             self._inbox.clear()
             self._inbox_jobs = 0
             self._snapshot = self._make_snapshot()
+            self._t_published = _perf()
         for fn, fut in calls:
             if fut.set_running_or_notify_cancel():
                 try:
@@ -255,8 +259,8 @@ class Engine:
             self._wake_readers()
 
     def step(self) -> None:
-        """One step: :meth:`plan`, :meth:`execute`, :meth:`update`; then the snapshot is published and the readers
-        of the step's events woken (:meth:`set_wake`)."""
+        """One step: :meth:`plan`, :meth:`execute`, :meth:`update`; then the snapshot is published (when due: see
+        the module's docstring) and the readers of the step's events woken (:meth:`set_wake`)."""
         plan = self.plan()
         if plan.chunks:
             try:
@@ -273,7 +277,10 @@ class Engine:
                 self._fail(plan, err)
             if rows is not None:
                 self.update(plan, rows)
-        self._publish()
+        snap = self._snapshot
+        if (len(self._running) != snap.n_running or len(self._waiting) != snap.n_waiting
+                or self.stats.requests != snap.stats.requests or _perf() - self._t_published >= _PUBLISH_EVERY):
+            self._publish()
         self._wake_readers()
 
     def _wake_readers(self) -> None:
@@ -583,3 +590,4 @@ class Engine:
         snap = self._make_snapshot()
         with self._cv:
             self._snapshot = snap
+        self._t_published = _perf()

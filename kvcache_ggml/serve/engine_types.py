@@ -103,7 +103,7 @@ class EngineStats:
     context_shifts: int = 0        # context shifts of decoding requests (``context_shift``)
 
     def copy(self) -> "EngineStats":
-        """A copy (the snapshot's, after every step: a fifth of ``dataclasses.replace``'s cost)."""
+        """A copy (the snapshot's: a fifth of ``dataclasses.replace``'s cost)."""
         return EngineStats(*_stats_values(self))
 
 
