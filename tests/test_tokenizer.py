@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvcache_ggml.runtime.tokenizer import StreamDecoder, TokenType, Vocab
@@ -78,3 +79,72 @@ def test_byte_fallback_and_errors(tmp_path):
     path = make_model(tmp_path / "m.gguf", vocab=16)  # the model maker's minimal SPM vocabulary
     small = Vocab.from_gguf(path)
     assert small.n_tokens == 16 and small.tokenize("t1t2", add_special=False)
+
+
+def _fragments_brute(v, text, parse_special):
+    """llama.cpp's tokenizer_st_partition spelled out: every special token in turn (longest first), each fragment
+    split at every occurrence of it."""
+    frags = [text] if text else []
+    for s_text, s_id, control in v._special:
+        if (control and not parse_special) or not s_text:
+            continue
+        out = []
+        for f in frags:
+            if isinstance(f, int):
+                out.append(f)
+                continue
+            for j, p in enumerate(f.split(s_text)):
+                if j:
+                    out.append(s_id)
+                    if s_id in v.rstrip:
+                        p = p.lstrip(" \t\n\v\f\r")
+                if p:
+                    out.append(p)
+        frags = out
+    return frags
+
+
+def _tokenize_brute(v, text, parse_special):
+    out, prev_special = [], True
+    for f in _fragments_brute(v, text, parse_special):
+        if isinstance(f, int):
+            out.append(f)
+            prev_special = True
+            continue
+        if v.model == "llama" and v.add_space_prefix and prev_special:
+            f = " " + f
+        out.extend(v._tk.encode(f, add_special_tokens=False).ids)
+        prev_special = False
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fragments_and_the_fragment_cache_equal_the_plain_partition(name):
+    """Vocab.tokenize looks for special tokens by groups of their first characters and keeps recent fragments' ids:
+    the same ids as the plain partition and encode, on texts built from overlapping special tokens (user-defined
+    ones added to the vocabulary: prefixes of each other, sharing first characters, one inside another) and
+    text, each tokenized twice (the second time from the cache), the rstrip rule included."""
+    v = Vocab.from_gguf(DATA / f"ggml-vocab-{name}.gguf")
+    rng = np.random.default_rng(5)
+    normal = [i for i, t in enumerate(v.tokens) if v.types[i] == TokenType.NORMAL and 2 <= len(t) <= 6]
+    picked = [int(i) for i in rng.choice(normal, 40, replace=False)]
+    ids = {t: i for i, t in enumerate(v.tokens)}
+    for i in list(picked):  # prefixes and suffixes of the picked pieces that are pieces too: overlapping specials
+        t = v.tokens[i]
+        picked += [ids[u] for u in (t[:-1], t[1:], t[:2]) if u in ids and v.types[ids[u]] == TokenType.NORMAL]
+    for i in picked:
+        v.types[i] = int(TokenType.USER_DEFINED)
+    v.rstrip = frozenset(picked[::7])
+    v.build_tokenizer()
+    assert len({s[:3] for s, _, _ in v._special}) < len(v._special)  # (groups of several tokens)
+    pieces = [v.tokens[i].replace("▁", " ") for i in picked] + [s for s, _, _ in v._special[:3]]
+    words = ["hello", " world", "  ", "\n", "ab", "é", "x"]
+    for k in range(60):
+        parts = rng.choice(pieces + words, int(rng.integers(1, 25)))
+        text = "".join(parts) + ("" if k % 10 else "".join(parts[:5]) * 8000)[:40000]  # (past the cache's limit)
+        for parse_special in (False, True):
+            want = _tokenize_brute(v, text, parse_special)
+            assert v._fragments(text, parse_special) == _fragments_brute(v, text, parse_special)
+            assert v.tokenize(text, add_special=False, parse_special=parse_special) == want
+            assert v.tokenize(text, add_special=False, parse_special=parse_special) == want
+    assert v._encode_cached.cache_info().hits > 0

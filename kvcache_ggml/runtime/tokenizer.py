@@ -14,6 +14,8 @@ per the vocabulary's flags.  Decoding maps each id to its bytes (:meth:`Vocab.to
 from __future__ import annotations
 
 import codecs
+import functools
+from array import array
 from dataclasses import dataclass, field
 from enum import IntEnum
 from os import PathLike
@@ -69,6 +71,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+_KEY = 3                  # Vocab._special_groups: special tokens grouped by their first characters
+_CACHED_FRAGMENTS = 256  # text fragments whose ids Vocab keeps (least recently used dropped first) ...
+_CACHED_CHARS = 32768     # ... each of at most this many characters (and as many ids as its UTF-8 has bytes)
+
+
 @dataclass(slots=True)
 class Vocab:
     """A GGUF vocabulary with llama.cpp's tokenize / detokenize."""
@@ -89,7 +96,13 @@ class Vocab:
     _tk: Any = field(default=None, repr=False)               # the tokenizers.Tokenizer
     _pieces: list[bytes] = field(default_factory=list, repr=False)  # bytes of each id's text
     _special: list[tuple[str, int, bool]] = field(default_factory=list, repr=False)  # (text, id, control/unk)
+    # _special's indices by the first _KEY characters of their text: one search of the text rules out a group
+    # (Llama 3's 248 reserved tokens share "<|r")
+    _special_groups: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _clean_spaces: bool = True    # llama_detokenize's clean-up of spaces before punctuation
+    # the ids of recent text fragments (a conversation's history is tokenized again at every turn): a thread-safe
+    # functools.lru_cache over _encode, for fragments of at most _CACHED_CHARS characters
+    _encode_cached: Any = field(default=None, repr=False, compare=False)
 
     # ------------------------------------------------------------------ construction
 
@@ -142,6 +155,10 @@ class Vocab:
                                 for i in range(n) if self.types[i] in (TokenType.CONTROL, TokenType.USER_DEFINED,
                                                                        TokenType.UNKNOWN)),
                                key=lambda s: -len(s[0].encode()))
+        self._special_groups = {}
+        for k, (s_text, _, _) in enumerate(self._special):
+            if s_text:
+                self._special_groups.setdefault(s_text[:_KEY], []).append(k)
         vocab = {t: i for i, t in enumerate(self.tokens)}
         if self.model == "gpt2":
             if self.pre not in _PRE:
@@ -163,6 +180,11 @@ class Vocab:
             self._pieces = [self._spm_piece(i) for i in range(n)]
         tk.decoder = decoders.ByteLevel() if self.model == "gpt2" else None
         self._tk = tk
+        self._encode_cached = functools.lru_cache(maxsize=_CACHED_FRAGMENTS)(self._encode)
+
+    def _encode(self, text: str) -> array:
+        """The ids of one text fragment (no special token in it), as int32."""
+        return array("i", self._tk.encode(text, add_special_tokens=False).ids)
 
     def _spm_merges(self, vocab: dict[str, int]) -> list[tuple[str, str]]:
         """Every split of a normal piece into two pieces of the vocabulary, best score of the merged piece first."""
@@ -195,8 +217,13 @@ class Vocab:
     def _fragments(self, text: str, parse_special: bool) -> list[str | int]:
         """text cut at special tokens (llama.cpp's tokenizer_st_partition): raw strings and special ids."""
         frags: list[str | int] = [text] if text else []
-        for s_text, s_id, control in self._special:
-            if (control and not parse_special) or not s_text:
+        special = self._special
+        # the special tokens in the text, in their order (every fragment is a piece of the text: a token or a group
+        # not found in it is in none of them)
+        present = sorted(k for key, group in self._special_groups.items() if key in text
+                         for k in group if special[k][0] in text)
+        for s_text, s_id, control in (special[k] for k in present):
+            if control and not parse_special:
                 continue
             out: list[str | int] = []
             for f in frags:
@@ -227,7 +254,7 @@ class Vocab:
                 continue
             if self.model == "llama" and self.add_space_prefix and prev_special:
                 f = " " + f
-            out.extend(self._tk.encode(f, add_special_tokens=False).ids)
+            out.extend(self._encode_cached(f) if len(f) <= _CACHED_CHARS else self._encode(f))
             prev_special = False
         if add_special and self.add_eos and self.eos >= 0:
             out.append(self.eos)
