@@ -8,8 +8,10 @@ merges derived from the SentencePiece scores and byte fallback (SPM: llama.cpp m
 piece scores highest, which is BPE with merges ranked by that score).  What ``tokenizers`` does not do is done here
 as llama.cpp does it: special tokens are cut out of the text first (``parse_special``; user-defined ones always),
 SPM adds the space prefix to each text fragment that follows a special token or starts the text, BOS/EOS are added
-per the vocabulary's flags.  Decoding maps each id to its bytes (:meth:`Vocab.token_to_piece`, byte-level or
-``<0xXX>`` byte pieces, ``▁`` as space) so that a stream of ids can be printed as it comes.
+per the vocabulary's flags.  The ids of the 256 most recent text pieces between special tokens are kept: a chat's
+history, tokenized again at every turn, encodes only its new messages.  Decoding maps each id to its bytes
+(:meth:`Vocab.token_to_piece`, byte-level or ``<0xXX>`` byte pieces, ``▁`` as space) so that a stream of ids can be
+printed as it comes.
 """
 from __future__ import annotations
 
