@@ -105,16 +105,14 @@ def _fragments_brute(v, text, parse_special):
 
 
 def _tokenize_brute(v, text, parse_special):
-    out, prev_special = [], True
-    for f in _fragments_brute(v, text, parse_special):
-        if isinstance(f, int):
-            out.append(f)
-            prev_special = True
-            continue
-        if v.model == "llama" and v.add_space_prefix and prev_special:
-            f = " " + f
-        out.extend(v._tk.encode(f, add_special_tokens=False).ids)
-        prev_special = False
+    """The plain partition's fragments, each text one encoded (SPM: with a space first where it starts the text or
+    follows a special token)."""
+    frags = _fragments_brute(v, text, parse_special)
+    spm = v.model == "llama" and v.add_space_prefix
+    out = []
+    for k, f in enumerate(frags):
+        lead = " " if spm and (k == 0 or isinstance(frags[k - 1], int)) else ""
+        out += [f] if isinstance(f, int) else v._tk.encode(lead + f, add_special_tokens=False).ids
     return out
 
 
