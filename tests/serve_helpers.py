@@ -27,8 +27,7 @@ class LiveServer:
     def __init__(self, argv: list[str]) -> None:
         import uvicorn
 
-        from kvcache_ggml.serve.app import make_app
-        from kvcache_ggml.serve.cli import open_service, parse_args
+        from kvcache_ggml.serve.cli import open_service, parse_args, uvicorn_config
 
         self.args = parse_args(argv)
         self.model, self.ctx, self.svc = open_service(self.args)
@@ -37,8 +36,7 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(make_app(self.svc), log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(self.svc))  # (the serve command's configuration)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         t0 = time.monotonic()

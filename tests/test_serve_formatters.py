@@ -16,6 +16,7 @@ from kvcache_ggml.serve import app
 from kvcache_ggml.serve.chat import ChatTemplate
 from kvcache_ggml.serve.formatters import ChatFormatter, CompletionFormatter, Formatter
 from kvcache_ggml.serve.protocol import RequestError, parse_chat, parse_completion
+from kvcache_ggml.serve.request import Event
 from kvcache_ggml.serve.results import TokenLogprob, Usage
 from serve_helpers import CHATML, GPT2_VOCAB
 
@@ -192,9 +193,14 @@ def test_precomputed_text_chunk_is_byte_identical(gpt2, make, text):
     """The app's per-request prefix and suffix around the text's JSON string: the bytes the formatter's chunk
     gives through json.dumps (the hot path of a stream without logprobs)."""
     f = make(gpt2)
-    p = app._Prepared(f, None, None, None, "tiny")
+    p = app._Prepared(f, None, None, None, None, "tiny")
     assert p.id.startswith(f.id_prefix + "-") and len(p.id) == len(f.id_prefix) + 33
     head, tail = p.text_sse
     want = "data: " + json.dumps(f.text_chunk(p.id, p.created, "tiny", text), ensure_ascii=False,
                                  separators=(",", ":")) + "\n\n"
     assert head + json.dumps(text, ensure_ascii=False) + tail == want
+    # what the engine thread writes on a one-slot server (serve/direct.py): the same bytes as one chunked-coding chunk
+    want_b = want.encode()
+    assert p.text_frame(Event("text", text)) == b"%x\r\n" % len(want_b) + want_b + b"\r\n"
+    assert p.text_frame(Event("text", text, logprobs=[TokenLogprob(1, -0.5, ())])) is None
+    assert p.text_frame(Event("done", finish_reason="stop")) is None

@@ -42,6 +42,7 @@ from starlette.routing import Route
 
 from . import protocol as P
 from .chat import ChatTemplate
+from .direct import Connections, DirectSink, StreamSocket, frame
 from .engine import Engine, QueueFull
 from .formatters import ChatFormatter, CompletionFormatter, Formatter
 from .request import Event, Job
@@ -93,7 +94,8 @@ class _Outbox:
         self.items.append((queue, ev))
 
     def wake(self) -> None:
-        self.loop.call_soon_threadsafe(self.drain)
+        if self.items:  # (none after a step whose events all went to their sockets: module direct)
+            self.loop.call_soon_threadsafe(self.drain)
 
     def drain(self) -> None:
         items = self.items
@@ -105,10 +107,11 @@ class _Outbox:
 class _Prepared:
     """A parsed request turned into a job, and what its answer needs."""
 
-    __slots__ = ("fmt", "req", "job", "queue", "id", "created", "text_sse")
+    __slots__ = ("fmt", "req", "job", "queue", "sink", "id", "created", "text_sse")
 
-    def __init__(self, fmt: Formatter, req: Any, job: Job, queue: asyncio.Queue, model: str) -> None:
-        self.fmt, self.req, self.job, self.queue = fmt, req, job, queue
+    def __init__(self, fmt: Formatter, req: Any, job: Job, queue: asyncio.Queue, sink: DirectSink,
+                 model: str) -> None:
+        self.fmt, self.req, self.job, self.queue, self.sink = fmt, req, job, queue, sink
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         # a text chunk without logprobs, as the formatter writes it, with the text's JSON string in the middle: one
@@ -117,10 +120,19 @@ class _Prepared:
         head, tail = _sse(fmt.text_chunk(self.id, self.created, model, probe)).split(json.dumps(probe))
         self.text_sse = (head, tail)
 
+    def text_frame(self, ev: Event) -> bytes | None:
+        """A text event without logprobs as the stream's framed bytes (the engine thread writes them), else None."""
+        if ev.kind != "text" or ev.logprobs:
+            return None
+        head, tail = self.text_sse
+        return frame((head + json.dumps(ev.text, ensure_ascii=False) + tail).encode())
 
-def make_app(svc: Service) -> Starlette:
-    """The ASGI app over ``svc`` (the engine is started and stopped with the app's lifespan)."""
-    api = _Api(svc)
+
+def make_app(svc: Service, conns: Connections | None = None) -> Starlette:
+    """The ASGI app over ``svc`` (the engine is started and stopped with the app's lifespan).  ``conns``: the
+    server's connections (:meth:`Connections.protocol` as uvicorn's protocol class), whose streams' text chunks the
+    engine thread then writes itself (module :mod:`.direct`); without, every chunk goes through the event loop."""
+    api = _Api(svc, conns)
     api.warm_up()
 
     @contextlib.asynccontextmanager
@@ -149,8 +161,10 @@ def make_app(svc: Service) -> Starlette:
 class _Api:
     """The endpoints over one service."""
 
-    def __init__(self, svc: Service) -> None:
+    def __init__(self, svc: Service, conns: Connections | None = None) -> None:
         self.svc = svc
+        self.conns = conns                                               # the server's connections, if known
+        self.direct_chunks = 0                                           # text chunks the engine thread wrote
         self.eng = svc.engine
         self.vocab = vocab = svc.vocab
         self.n_vocab = len(vocab.tokens)
@@ -222,8 +236,9 @@ class _Api:
         n_seq = self.eng.prefix.n_seq
         if isinstance(id_slot, bool) or not isinstance(id_slot, int) or not -1 <= id_slot < n_seq:
             raise P.RequestError(f"id_slot must be -1 or a slot in [0, {n_seq}), got {id_slot!r}", param="id_slot")
+        sink = DirectSink(lambda ev: outbox.put(queue, ev))
         job = Job(tokens, Sampler(sp, self.n_vocab, self.eog), TextStream(self.vocab, sp.stop),
-                  lambda ev: outbox.put(queue, ev), max_tokens=sp.max_tokens,
+                  sink, max_tokens=sp.max_tokens,
                   cache_prompt=cache_prompt, top_logprobs=sp.top_logprobs if sp.logprobs else -1, id_slot=id_slot)
         shift = P.parse_shift_fields(body, len(tokens), self.eng.can_shift)  # llama-server's extensions
         job.n_cache_reuse, job.n_keep, job.n_discard = shift.n_cache_reuse, shift.n_keep, shift.n_discard
@@ -234,7 +249,7 @@ class _Api:
                                  code="queue_full") from None
         except ValueError as err:
             raise P.RequestError(str(err), param=fmt.param, code="context_length_exceeded") from None
-        return _Prepared(fmt, req, job, queue, self.svc.model_name)
+        return _Prepared(fmt, req, job, queue, sink, self.svc.model_name)
 
     # ------------------------------------------------------------------ answers
 
@@ -285,10 +300,30 @@ class _Api:
         first = p.fmt.first_chunk(p.id, p.created, self.svc.model_name)
         if first is not None:
             yield _sse(first)
-        offset = [0]
-        async for evs in self.events(p, request, poll=False):
-            yield "".join(self.chunk(p, ev, offset) for ev in evs)  # (the events that arrived: one write)
-        yield "data: [DONE]\n\n"
+        sock = self.open_direct(p, request)  # (the head and the first chunk are out)
+        try:
+            offset = [0]
+            async for evs in self.events(p, request, poll=False):
+                yield "".join(self.chunk(p, ev, offset) for ev in evs)  # (the events that arrived: one write)
+                if sock is not None:  # (written to the transport: the engine thread may go on from there)
+                    if not sock.flushed():
+                        sock.close()
+                    p.sink.delivered(len(evs))
+            yield "data: [DONE]\n\n"
+        finally:
+            if sock is not None:
+                self.conns.release(request.scope, sock)
+                self.direct_chunks += sock.chunks
+
+    def open_direct(self, p: _Prepared, request: Request) -> StreamSocket | None:
+        """The stream's socket handed to its job's sink, where the engine thread may write its text chunks: on a
+        server of one slot, for text without logprobs (module :mod:`.direct`)."""
+        if self.conns is None or p.job.top_logprobs >= 0 or self.eng.params.n_parallel != 1:
+            return None
+        sock = self.conns.open(request.scope)
+        if sock is not None:
+            p.sink.arm(sock, p.text_frame)
+        return sock
 
     def chunk(self, p: _Prepared, ev: Event, offset: list[int]) -> str:
         """The server-sent event(s) of one engine event (``offset``: the text's length so far, updated)."""
@@ -368,7 +403,7 @@ class _Api:
             self.auth(request)
         except P.RequestError as e:
             return _error(e)
-        return PlainTextResponse(metrics_text(self.eng), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics_text(self.eng, self.direct_chunks), media_type="text/plain; version=0.0.4")
 
     async def slots(self, request: Request) -> Response:
         try:
@@ -427,7 +462,7 @@ class _Api:
                 raise P.RequestError(f"slot file: {err}", status=500, type="server_error") from None
 
 
-def metrics_text(eng: Engine) -> str:
+def metrics_text(eng: Engine, direct_chunks: int = 0) -> str:
     """Prometheus text exposition of the engine's and the prefix cache's counters, from the snapshot the engine
     published after its last step (nothing of the engine's is read from this thread)."""
     snap = eng.snapshot()
@@ -461,6 +496,8 @@ def metrics_text(eng: Engine) -> str:
         ("requests_waiting", "gauge", "requests in the queue", eng.queue_depth),
         ("kv_cells_used", "gauge", "cells holding a token", snap.kv_used),
         ("kv_cells", "gauge", "cells of the cache", snap.kv_size),
+        ("stream_chunks_direct_total", "counter", "streamed text chunks written by the engine thread (module direct), "
+         "of responses ended", direct_chunks),
     ]
     out = []
     for name, kind, doc, value in rows:

@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "parse_args", "open_service"]
 
@@ -159,6 +160,19 @@ def _server_class():
     return Server
 
 
+def uvicorn_config(svc: Any) -> Any:
+    """uvicorn's configuration of the server over ``svc``: the app, and h11's protocol registering the connections
+    whose streams the engine thread writes to (module :mod:`.direct`)."""
+    import uvicorn
+
+    from .app import make_app
+    from .direct import Connections
+
+    conns = Connections()
+    return uvicorn.Config(make_app(svc, conns), http=conns.protocol(), log_level="warning",
+                          timeout_graceful_shutdown=5, lifespan="on")
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """The server's listening TCP socket, bound and listening (backlog 2048).  Made with proto ``IPPROTO_TCP``, not
     0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP, and without it a response's header
@@ -171,10 +185,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def main(argv: list[str]) -> int:
-    import uvicorn
-
     from .. import ggml as G
-    from .app import make_app
     from .speculative import close_drafter
 
     a = parse_args(argv)
@@ -188,8 +199,7 @@ def main(argv: list[str]) -> int:
               f"{'yes' if svc.template else 'no'}]", file=sys.stderr)
         print(f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
         _Server = _server_class()
-        config = uvicorn.Config(make_app(svc), log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
-        _Server(config).run(sockets=[sock])
+        _Server(uvicorn_config(svc)).run(sockets=[sock])
     finally:
         close_drafter(svc.engine.drafter)
         ctx.close()
