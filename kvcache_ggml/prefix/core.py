@@ -28,9 +28,6 @@ from .tree import RadixTree, common_prefix
 
 __all__ = ["PrefixCache", "PrefixParams", "Match", "Admission"]
 
-_ONE_OUTPUT = np.ones(1, np.int8)  # the output flags of a one-token step (shared, read-only)
-_ONE_OUTPUT.flags.writeable = False
-
 @dataclass(slots=True)
 class PrefixParams:
     """How a prefix cache reuses, evicts and keeps sequences."""
@@ -238,7 +235,7 @@ class PrefixCache:
         ends = list(accumulate(sizes))  # (one past each part's last token)
         want = [bool(p[2]) for p in parts]
         if n == len(parts) and all(want):  # (a generating step: one token a part, every one an output)
-            flags = _ONE_OUTPUT if n == 1 else np.ones(n, np.int8)
+            flags = np.ones(n, np.int8)
         else:
             flags = np.zeros(n, np.int8)
             for i in every:
