@@ -25,7 +25,7 @@ The app opens a stream's socket once the response's head and first chunk are out
 buffer), only for HTTP/1.1 without TLS, and only on a server of one slot (``--parallel 1``), where a stream is the
 only one running; it closes it when the response ends, whatever ended it.  With several slots the loop thread
 writes a step's chunks, one wake-up for all, beside the engine's next compute: there the engine thread writing
-each request's chunk itself (while it ran alone) measured 1-6 % fewer tokens/s with 4 users (docs/serving.md).
+each request's chunk itself (while it ran alone) gained nothing at 4 and 8 users (docs/serving.md).
 
 The events that are not plain text -- the end, an error, text with logprobs -- and a stream whose socket did not
 open take the loop's path, so a response is the same bytes either way.
