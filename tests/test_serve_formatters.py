@@ -201,6 +201,39 @@ def test_precomputed_text_chunk_is_byte_identical(gpt2, make, text):
     assert head + json.dumps(text, ensure_ascii=False) + tail == want
     # what the engine thread writes on a one-slot server (serve/direct.py): the same bytes as one chunked-coding chunk
     want_b = want.encode()
-    assert p.text_frame(Event("text", text)) == b"%x\r\n" % len(want_b) + want_b + b"\r\n"
-    assert p.text_frame(Event("text", text, logprobs=[TokenLogprob(1, -0.5, ())])) is None
-    assert p.text_frame(Event("done", finish_reason="stop")) is None
+    assert p.wire(Event("text", text)) == (b"%x\r\n" % len(want_b) + want_b + b"\r\n", False)
+    assert p.wire(Event("text", text, logprobs=[TokenLogprob(1, -0.5, ())])) is None
+    assert p.wire(Event("error", "failed")) is None
+
+
+@pytest.mark.parametrize("make", [lambda v: ChatFormatter(v, None, "m"), CompletionFormatter])
+@pytest.mark.parametrize("usage", [False, True])
+def test_the_end_on_the_wire_is_the_streams_end(gpt2, make, usage):
+    """What the engine thread writes for a stream's end (serve/direct.py), read back by h11 as a client: one chunk
+    with the final chunk (the finish reason), the usage when asked for and [DONE], then the end of the body."""
+    h11 = pytest.importorskip("h11")
+    f = make(gpt2)
+    body = {"model": "tiny", "stream": True, "stream_options": {"include_usage": usage}, "prompt": "Hi",
+            "messages": [{"role": "user", "content": "Hi"}]}
+    p = app._Prepared(f, f.parse(body), None, None, None, "tiny")
+    data, last = p.wire(Event("done", finish_reason="length", usage=Usage(7, 3, 2)))
+    assert last
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")]))
+    client.send(h11.EndOfMessage())
+    client.receive_data(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + data)
+    events = []
+    while (ev := client.next_event()) is not h11.NEED_DATA:
+        events.append(ev)
+        if isinstance(ev, h11.EndOfMessage):
+            break
+    assert [type(e) for e in events] == [h11.Response, h11.Data, h11.EndOfMessage]
+    sse = events[1].data.decode().split("\n\n")
+    assert sse[-1] == "" and sse[-2] == "data: [DONE]" and all(s.startswith("data: ") for s in sse[:-1])
+    chunks = [json.loads(s[6:]) for s in sse[:-2]]
+    assert len(chunks) == 1 + usage
+    assert chunks[0]["id"] == p.id and chunks[0]["choices"][0]["finish_reason"] == "length"
+    if usage:
+        assert chunks[1]["choices"] == []
+        assert (chunks[1]["usage"]["prompt_tokens"], chunks[1]["usage"]["completion_tokens"],
+                chunks[1]["usage"]["total_tokens"]) == (7, 3, 10)

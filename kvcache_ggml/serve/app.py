@@ -18,7 +18,8 @@ Every failure is OpenAI's error object ``{"error": {"message", "type", "param", 
 
 A request runs on the engine thread; its events cross to the event loop through one outbox (:class:`_Outbox`): the
 engine thread queues them and, once after each step, wakes the loop with one ``call_soon_threadsafe`` for all of
-them (``Engine.set_wake``).  A client that goes away -- a stream's connection closed, or a plain request's --
+them (``Engine.set_wake``).  On a server of one slot, a stream's text chunks and its end go to its socket from the
+engine thread instead (:mod:`.direct`).  A client that goes away -- a stream's connection closed, or a plain request's --
 cancels its request: the engine releases its sequence at the next step.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ from starlette.routing import Route
 
 from . import protocol as P
 from .chat import ChatTemplate
-from .direct import Connections, DirectSink, StreamSocket, frame
+from .direct import LAST_CHUNK, Connections, DirectSink, StreamSocket, frame
 from .engine import Engine, QueueFull
 from .formatters import ChatFormatter, CompletionFormatter, Formatter
 from .request import Event, Job
@@ -75,6 +76,9 @@ def _error(e: P.RequestError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+_DONE = "data: [DONE]\n\n"  # a stream's last server-sent event
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -89,11 +93,18 @@ class _Outbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.items: deque[tuple[asyncio.Queue, Event]] = deque()
+        self.held: deque[DirectSink] = deque()  # sinks holding a response's end for the wake-up (module direct)
 
     def put(self, queue: asyncio.Queue, ev: Event) -> None:
         self.items.append((queue, ev))
 
+    def hold(self, sink: DirectSink) -> None:
+        self.held.append(sink)
+
     def wake(self) -> None:
+        held = self.held
+        while held:  # (their end events join the items)
+            held.popleft().finish()
         if self.items:  # (none after a step whose events all went to their sockets: module direct)
             self.loop.call_soon_threadsafe(self.drain)
 
@@ -107,11 +118,11 @@ class _Outbox:
 class _Prepared:
     """A parsed request turned into a job, and what its answer needs."""
 
-    __slots__ = ("fmt", "req", "job", "queue", "sink", "id", "created", "text_sse")
+    __slots__ = ("fmt", "req", "job", "queue", "sink", "model", "id", "created", "text_sse")
 
     def __init__(self, fmt: Formatter, req: Any, job: Job, queue: asyncio.Queue, sink: DirectSink,
                  model: str) -> None:
-        self.fmt, self.req, self.job, self.queue, self.sink = fmt, req, job, queue, sink
+        self.fmt, self.req, self.job, self.queue, self.sink, self.model = fmt, req, job, queue, sink, model
         self.id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         # a text chunk without logprobs, as the formatter writes it, with the text's JSON string in the middle: one
@@ -120,12 +131,23 @@ class _Prepared:
         head, tail = _sse(fmt.text_chunk(self.id, self.created, model, probe)).split(json.dumps(probe))
         self.text_sse = (head, tail)
 
-    def text_frame(self, ev: Event) -> bytes | None:
-        """A text event without logprobs as the stream's framed bytes (the engine thread writes them), else None."""
-        if ev.kind != "text" or ev.logprobs:
-            return None
-        head, tail = self.text_sse
-        return frame((head + json.dumps(ev.text, ensure_ascii=False) + tail).encode())
+    def end_sse(self, ev: Event) -> str:
+        """The server-sent events of a stream's end (``done``): its final chunk, then its usage when asked for."""
+        out = _sse(self.fmt.final_chunk(self.id, self.created, self.model, ev.finish_reason))
+        if self.req.stream_include_usage:
+            out += _sse(self.fmt.usage_chunk(self.id, self.created, self.model, ev.usage))
+        return out
+
+    def wire(self, ev: Event) -> tuple[bytes, bool] | None:
+        """What the engine thread writes for ``ev`` (module direct): a text event without logprobs as one chunk
+        of the body, not its last (False); the end as its chunks and ``[DONE]`` in one chunk, then the body's last
+        chunk (True).  None for the others (the loop's path)."""
+        if ev.kind == "text" and not ev.logprobs:
+            head, tail = self.text_sse
+            return frame((head + json.dumps(ev.text, ensure_ascii=False) + tail).encode()), False
+        if ev.kind == "done":
+            return frame((self.end_sse(ev) + _DONE).encode()) + LAST_CHUNK, True
+        return None
 
 
 def make_app(svc: Service, conns: Connections | None = None) -> Starlette:
@@ -165,6 +187,7 @@ class _Api:
         self.svc = svc
         self.conns = conns                                               # the server's connections, if known
         self.direct_chunks = 0                                           # text chunks the engine thread wrote
+        self.direct_ends = 0                                             # ... and responses' ends
         self.eng = svc.engine
         self.vocab = vocab = svc.vocab
         self.n_vocab = len(vocab.tokens)
@@ -236,7 +259,7 @@ class _Api:
         n_seq = self.eng.prefix.n_seq
         if isinstance(id_slot, bool) or not isinstance(id_slot, int) or not -1 <= id_slot < n_seq:
             raise P.RequestError(f"id_slot must be -1 or a slot in [0, {n_seq}), got {id_slot!r}", param="id_slot")
-        sink = DirectSink(lambda ev: outbox.put(queue, ev))
+        sink = DirectSink(lambda ev: outbox.put(queue, ev), outbox.hold)
         job = Job(tokens, Sampler(sp, self.n_vocab, self.eog), TextStream(self.vocab, sp.stop),
                   sink, max_tokens=sp.max_tokens,
                   cache_prompt=cache_prompt, top_logprobs=sp.top_logprobs if sp.logprobs else -1, id_slot=id_slot)
@@ -304,16 +327,19 @@ class _Api:
         try:
             offset = [0]
             async for evs in self.events(p, request, poll=False):
+                if p.sink.ended:  # (the end, the only event left, and [DONE] are out: the response completes here)
+                    return
                 yield "".join(self.chunk(p, ev, offset) for ev in evs)  # (the events that arrived: one write)
                 if sock is not None:  # (written to the transport: the engine thread may go on from there)
                     if not sock.flushed():
                         sock.close()
                     p.sink.delivered(len(evs))
-            yield "data: [DONE]\n\n"
+            yield _DONE
         finally:
             if sock is not None:
                 self.conns.release(request.scope, sock)
                 self.direct_chunks += sock.chunks
+                self.direct_ends += p.sink.ended
 
     def open_direct(self, p: _Prepared, request: Request) -> StreamSocket | None:
         """The stream's socket handed to its job's sink, where the engine thread may write its text chunks: on a
@@ -322,7 +348,7 @@ class _Api:
             return None
         sock = self.conns.open(request.scope)
         if sock is not None:
-            p.sink.arm(sock, p.text_frame)
+            p.sink.arm(sock, p.wire)
         return sock
 
     def chunk(self, p: _Prepared, ev: Event, offset: list[int]) -> str:
@@ -338,10 +364,7 @@ class _Api:
             return out
         if ev.kind == "error":
             return _sse(P.RequestError(ev.text, status=500, type="server_error").body())
-        out = _sse(fmt.final_chunk(p.id, p.created, name, ev.finish_reason))
-        if p.req.stream_include_usage:
-            out += _sse(fmt.usage_chunk(p.id, p.created, name, ev.usage))
-        return out
+        return p.end_sse(ev)
 
     async def generate(self, request: Request, fmt: Formatter) -> Response:
         try:
@@ -403,7 +426,8 @@ class _Api:
             self.auth(request)
         except P.RequestError as e:
             return _error(e)
-        return PlainTextResponse(metrics_text(self.eng, self.direct_chunks), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics_text(self.eng, self.direct_chunks, self.direct_ends),
+                                 media_type="text/plain; version=0.0.4")
 
     async def slots(self, request: Request) -> Response:
         try:
@@ -462,7 +486,7 @@ class _Api:
                 raise P.RequestError(f"slot file: {err}", status=500, type="server_error") from None
 
 
-def metrics_text(eng: Engine, direct_chunks: int = 0) -> str:
+def metrics_text(eng: Engine, direct_chunks: int = 0, direct_ends: int = 0) -> str:
     """Prometheus text exposition of the engine's and the prefix cache's counters, from the snapshot the engine
     published after its last step (nothing of the engine's is read from this thread)."""
     snap = eng.snapshot()
@@ -498,6 +522,8 @@ def metrics_text(eng: Engine, direct_chunks: int = 0) -> str:
         ("kv_cells", "gauge", "cells of the cache", snap.kv_size),
         ("stream_chunks_direct_total", "counter", "streamed text chunks written by the engine thread (module direct), "
          "of responses ended", direct_chunks),
+        ("stream_ends_direct_total", "counter", "streamed responses whose end the engine thread wrote (module direct)",
+         direct_ends),
     ]
     out = []
     for name, kind, doc, value in rows:
