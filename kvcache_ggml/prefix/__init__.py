@@ -65,12 +65,13 @@ restores and bytes (``print(pc.stats)``).
 from __future__ import annotations
 
 from .audit import check
-from .core import Admission, Match, PrefixCache, PrefixParams
+from .core import PrefixCache
 from .host import HostEntry, HostParams, HostTier
 from .index import SeqEntry, SeqIndex
 from .policy import DEFAULT_PRIORITY, Candidate, EvictionPolicy, LRUPolicy, Retention
 from .stats import PrefixStats
 from .tree import RadixTree, common_prefix
+from .values import Admission, Match, PrefixParams
 
 __all__ = ["PrefixCache", "PrefixParams", "SeqEntry", "SeqIndex", "Match", "Admission", "HostParams", "HostEntry",
            "HostTier", "Retention", "Candidate", "EvictionPolicy", "LRUPolicy", "DEFAULT_PRIORITY", "PrefixStats",
