@@ -521,3 +521,47 @@ def test_claim_per_stream(model):
 @given(token_lists, token_lists, st.integers(0, 12))
 def test_common_prefix_matches_brute_force(a, b, limit):
     assert common_prefix(a, b, limit) == min(lcp(a, b), limit)
+
+
+def _outcome(fn):
+    """(result, None) or (None, (exception type, message))."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 -- compared
+        return None, (type(e), str(e))
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_advance_token_is_advance_of_one_token(model, unified):
+    """A request's next token through ``advance_token`` (what ``advance`` takes for one part of one token given as
+    an array) against the general ``advance`` (a list of one token takes it): the same logits bit for bit, then the
+    same cells, entries and counters, on a trace whose steps evict parked sequences for room; the same errors."""
+    with ctx_of(model, n_ctx=256, n_seq_max=2, kv_unified=unified) as a, \
+            ctx_of(model, n_ctx=256, n_seq_max=2, kv_unified=unified) as b:
+        pa, pb = PrefixCache(a), PrefixCache(b)
+        view = lambda pc: [(e.seq_id, e.tokens.tolist(), e.clean, e.active, e.last_used) for e in pc.entries()]
+        for r in range(5):
+            seq, p = r % 2, distinct(14 + 3 * r, r)
+            (_, la), (_, lb) = prefill(pa, p, seq), prefill(pb, p, seq)
+            assert np.array_equal(la, lb)
+            t = int(np.argmax(la))
+            for _ in range(120):  # (256 cells, unified: from the second request on, room made by evicting)
+                (ra,), rb = pa.advance([(seq, [t], True)]), pb.advance_token(seq, np.array([t], np.int32))
+                assert rb.shape == (VOCAB,) and np.array_equal(ra, rb)
+                t = int(np.argmax(ra))
+            assert view(pa) == view(pb)
+            pa.release(seq)
+            pb.release(seq)
+        assert pa.stats.evictions >= 3 * unified and pa.stats == pb.stats
+        assert a.state_get_data() == b.state_get_data()
+        assert view(pa) == view(pb) and check(pa) == [] == check(pb)
+        prefill(pa, distinct(5, 9), 0)
+        prefill(pb, distinct(5, 9), 0)
+        before = b.state_get_data()
+        for seq, tok in [(0, [VOCAB]), (1, [3]), (5, [3])]:  # (a token out of range, no request, no sequence)
+            want = _outcome(lambda: pa.advance([(seq, list(tok), True)]))[1]
+            got = _outcome(lambda: pb.advance_token(seq, np.array(tok, np.int32)))[1]
+            assert want is not None and got == want, (seq, tok, want, got)
+        with pytest.raises(ValueError, match="2 tokens, expected 1"):
+            pb.advance_token(0, np.array([3, 4], np.int32))
+        assert a.state_get_data() == b.state_get_data() == before

@@ -274,6 +274,68 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(model):
         check(eng.prefix)
 
 
+def _lone_trace(model, monkeypatch, lone: bool):
+    """Five phases on one engine (two slots, 256 cells shared): a request alone; one generating to the context's
+    end (room made by evicting the parked one); one joined by a second while generating, then cancelled; one past
+    its deadline while generating; one cancelled while generating alone.  What every request got, the counters, the cells, and whether each plan was
+    the lone one (``lone``: the engine's; else switched off, every step planned in full)."""
+    import kvcache_ggml.serve.engine as E
+    from kvcache_ggml.serve.schedule import lone_chunk
+
+    taken = []
+
+    def chunk(running, now):
+        c = lone_chunk(running, now) if lone else None
+        taken.append(c is not None)
+        return c
+
+    monkeypatch.setattr(E, "lone_chunk", chunk)
+    vocab = Vocab.from_kv(model.gguf_kv)
+    with Context(model, params(n_ctx=256, n_seq=3)) as ctx:
+        eng = Engine(ctx, vocab, EngineParams(n_parallel=2))
+        jobs = [job(vocab, p, n) for p, n in zip(prompts(6, 40, seed=31, shared=12), [30, None, 40, 20, 50, 50])]
+        eng.submit(jobs[0][0])
+        eng.run_until_idle()
+        eng.submit(jobs[1][0])
+        eng.run_until_idle()
+        eng.submit(jobs[2][0])
+        for _ in range(5):
+            eng.step()
+        eng.submit(jobs[3][0])
+        for _ in range(10):
+            eng.step()
+        eng.cancel(jobs[2][0])
+        eng.run_until_idle()
+        eng.submit(jobs[4][0])
+        for _ in range(6):
+            eng.step()
+        jobs[4][0].deadline = 0.0
+        eng.run_until_idle()
+        eng.submit(jobs[5][0])
+        for _ in range(4):
+            eng.step()
+        eng.cancel(jobs[5][0])
+        eng.run_until_idle()
+        check(eng.prefix)
+        got = [(s.tokens, s.done.kind, s.done.finish_reason) for _, s in jobs]
+        return got, replace(eng.stats), replace(eng.prefix.stats), ctx.state_get_data(), taken
+
+
+def test_a_request_generating_alone_gets_the_general_plan(model, monkeypatch):
+    """The plan of a request generating alone (``schedule.lone_chunk``, fewer calls) against the general plan of the
+    same step: the same tokens and ends, counters and cells over the phases of :func:`_lone_trace`, where the lone
+    plan was taken in most steps."""
+    on = _lone_trace(model, monkeypatch, True)
+    off = _lone_trace(model, monkeypatch, False)
+    assert on[:4] == off[:4]
+    (j0, j1, j2, j3, j4, j5), stats = on[0], on[1]
+    assert j0[2] == "length" and len(j0[0]) == 30 and j1[2] == "length" and len(j1[0]) == 256 - 40
+    assert j2[2] == "cancelled" and j3[2] == "length" and len(j3[0]) == 20 and j4[2] == "length"
+    assert 6 <= len(j4[0]) < 50 and j5[2] == "cancelled" and len(j5[0]) < 50
+    assert stats.requests_cancelled == 2 and on[2].evictions >= 1
+    assert sum(on[4]) > 250 and not any(off[4])
+
+
 def test_a_request_past_its_deadline_in_the_queue_gets_an_error(model):
     """``timeout``: requests still waiting when their deadline has passed end with an error event, running ones
     are not started; nothing stays in the cells."""

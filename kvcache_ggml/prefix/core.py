@@ -169,6 +169,9 @@ class PrefixCache:
         fewer than 64 tokens may get throwaway tokens after the last part's, their cells removed after the decode:
         the real tokens are computed as in a 64-token step (flash attention in tiles), what the cache holds after
         is the same; ``stats.padded_steps`` / ``padded_rows`` count them."""
+        one = parts[0][1] if len(parts) == 1 and not all_rows and parts[0][2] else None
+        if isinstance(one, np.ndarray) and one.size == 1:  # (a request generating alone: fewer calls, same step)
+            return [self.advance_token(parts[0][0], one)]
         if not parts:
             raise ValueError("advance needs at least one part")
         every = sorted({int(i) for i in all_rows}) if all_rows else []
@@ -234,6 +237,22 @@ class PrefixCache:
                 out[i] = logits[k]
                 k += 1
         return out
+
+    def advance_token(self, seq_id: int, token: Sequence[int]) -> np.ndarray:
+        """``advance([(seq_id, token, True)])[0]`` for one token (a request generating alone), in fewer calls: the
+        float32 [n_vocab] logits of the token, after the same checks, eviction and bookkeeping."""
+        toks = self.index.check_tokens(token)
+        if toks.size != 1:
+            raise ValueError(f"advance_token: {toks.size} tokens, expected 1")
+        e = self._active(int(seq_id))
+        tick = self._touch()
+        logits = self._decode(Batch(token=toks, seq_id=np.array([e.seq_id], np.int32), logits=np.ones(1, np.int8)),
+                              {e.stream})
+        e.last_used = tick
+        if e.clean:
+            self.index.append(e, toks)
+        self.stats.tokens_decoded += 1
+        return logits[0]
 
     def release(self, seq_id: int) -> None:
         """The request on ``seq_id`` is done: its sequence stays cached (parked) until evicted."""

@@ -53,7 +53,7 @@ from ..runtime.context import DecodeError
 from ..runtime.fa_tiles import TILE_Q, FaTiles
 from .engine_types import Chunk, EngineParams, EngineSnapshot, EngineStats, QueueFull, StepPlan
 from .request import Event, Job, RequestState
-from .schedule import choose_batch, step_kinds
+from .schedule import choose_batch, lone_chunk, step_kinds
 from .shift import check_shift_fields, shift_job
 from .results import TokenLogprob, Usage
 from .speculative import Drafter, DraftRequest
@@ -299,7 +299,11 @@ class Engine:
         under the token budget (with a drafter, each decoding request's draft after its token) and claim its room
         in the cache (evicting parked sequences, then dropping the drafts, then holding prompt chunks back, then
         ending or sending back the request admitted last; with split steps, a prompt step without room generates
-        instead)."""
+        instead).  One request generating alone, with nothing else to do, gets the same plan in fewer calls."""
+        c = None if self._inbox or self._waiting or self.drafter is not None else lone_chunk(self._running, _perf())
+        if c is not None and self._claim([c]):
+            self._gen_last = True
+            return StepPlan([c], 1)
         plan = StepPlan()
         self._take_messages()
         self._expire()

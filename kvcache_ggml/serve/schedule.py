@@ -1,5 +1,6 @@
 """One step's batch, chosen from the engine's running requests: which kinds of chunk the step takes
-(:func:`step_kinds`) and the chunks themselves under the token budget (:func:`choose_batch`).  Pure functions of
+(:func:`step_kinds`) and the chunks themselves under the token budget (:func:`choose_batch`; :func:`lone_chunk`
+where one request generates alone).  Pure functions of
 the requests' states and progress; :meth:`.engine.Engine.plan` calls them and claims the room."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 from .engine_types import Chunk
 from .request import Job, RequestState
 
-__all__ = ["step_kinds", "choose_batch"]
+__all__ = ["step_kinds", "choose_batch", "lone_chunk"]
 
 _S = RequestState
 
@@ -48,3 +49,15 @@ def choose_batch(running: list[Job], drafts: dict[Job, np.ndarray], budget: int,
         chunks.append(Chunk(j, piece, j.fed + piece.size == j.tokens.size))
         left -= piece.size
     return chunks, held
+
+
+def lone_chunk(running: list[Job], now: float) -> Chunk | None:
+    """The batch of a step with nothing waiting and no drafts where one request runs, decoding, neither cancelled
+    nor past its deadline at ``now`` (which the engine's plan would otherwise end): its next token, the one chunk
+    :func:`choose_batch` gives then; None otherwise."""
+    if len(running) != 1:
+        return None
+    j = running[0]
+    if j.state is not _S.DECODING or j.cancelled or now > j.deadline:
+        return None
+    return Chunk(j, np.array(j.generated[-1:], np.int32), True)
