@@ -467,3 +467,30 @@ def test_tokens_emitted_before_the_socket_opens_go_first(server, monkeypatch):
     before = _direct(server)
     assert _stream_text(cl.completions.create(prompt="Rivers and mountains", stream=True, **kw)) == plain
     assert 0 < _after(server, before) - before < 40
+
+
+def test_a_failed_end_leaves_uvicorns_last_chunk_alone(monkeypatch):
+    """A write of the end that fails (the connection gone, or any OSError) drops nothing: the end then takes the
+    loop's way, whose last chunk must reach the client."""
+    import kvcache_ggml.serve.direct as direct
+
+    def fail(fd, data):
+        raise ConnectionResetError()
+
+    monkeypatch.setattr(direct.os, "write", fail)
+    got = []
+
+    class T:
+        def write(self, data):
+            got.append(bytes(data))
+
+    tap = TransportTap(T())
+    s = StreamSocket(7, None, None, tap)
+    queued = []
+    sink = DirectSink(queued.append, lambda sk: None)
+    sink.arm(s, lambda e: (frame(b"end") + LAST_CHUNK, True))
+    sink("done")
+    sink.finish()
+    assert not sink.ended and sink.pending == 1 and queued == ["done"] and not s.open
+    tap.write(LAST_CHUNK)
+    assert got == [LAST_CHUNK]

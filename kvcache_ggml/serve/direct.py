@@ -84,9 +84,7 @@ class StreamSocket:
         with self._lock:
             if self._fd < 0:
                 return False
-            if last:
-                assert self._tap is not None and data.endswith(LAST_CHUNK), "a write that ends the body"
-                self._tap.drop_once(LAST_CHUNK)  # (before the write: the loop completes the response after it)
+            assert not last or (self._tap is not None and data.endswith(LAST_CHUNK)), "a write that ends the body"
             try:
                 n = os.write(self._fd, data)
             except BlockingIOError:
@@ -94,6 +92,8 @@ class StreamSocket:
             except OSError:
                 self._fd = -1
                 raise
+            if last:  # (the bytes are out or on their way: the loop completes the response after this returns)
+                self._tap.drop_once(LAST_CHUNK)
             if n == len(data):
                 self.chunks += not last
                 return True
