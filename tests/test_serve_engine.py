@@ -277,8 +277,9 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(model):
 def _lone_trace(model, monkeypatch, lone: bool):
     """Five phases on one engine (two slots, 256 cells shared): a request alone; one generating to the context's
     end (room made by evicting the parked one); one joined by a second while generating, then cancelled; one past
-    its deadline while generating; one cancelled while generating alone.  What every request got, the counters, the cells, and whether each plan was
-    the lone one (``lone``: the engine's; else switched off, every step planned in full)."""
+    its deadline while generating; one cancelled while generating alone.  What every request got, the counters,
+    the cells, and whether each plan was the lone one (``lone``: the engine's; else switched off, every step
+    planned in full)."""
     import kvcache_ggml.serve.engine as E
     from kvcache_ggml.serve.schedule import lone_chunk
 

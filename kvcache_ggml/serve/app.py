@@ -19,8 +19,8 @@ Every failure is OpenAI's error object ``{"error": {"message", "type", "param", 
 A request runs on the engine thread; its events cross to the event loop through one outbox (:class:`_Outbox`): the
 engine thread queues them and, once after each step, wakes the loop with one ``call_soon_threadsafe`` for all of
 them (``Engine.set_wake``).  On a server of one slot, a stream's text chunks and its end go to its socket from the
-engine thread instead (:mod:`.direct`).  A client that goes away -- a stream's connection closed, or a plain request's --
-cancels its request: the engine releases its sequence at the next step.
+engine thread instead (:mod:`.direct`).  A client that goes away -- a stream's connection closed, or a plain
+request's -- cancels its request: the engine releases its sequence at the next step.
 """
 from __future__ import annotations
 
