@@ -295,28 +295,16 @@ def _lone_trace(model, monkeypatch, lone: bool):
     with Context(model, params(n_ctx=256, n_seq=3)) as ctx:
         eng = Engine(ctx, vocab, EngineParams(n_parallel=2))
         jobs = [job(vocab, p, n) for p, n in zip(prompts(6, 40, seed=31, shared=12), [30, None, 40, 20, 50, 50])]
-        eng.submit(jobs[0][0])
-        eng.run_until_idle()
-        eng.submit(jobs[1][0])
-        eng.run_until_idle()
-        eng.submit(jobs[2][0])
-        for _ in range(5):
-            eng.step()
-        eng.submit(jobs[3][0])
-        for _ in range(10):
-            eng.step()
-        eng.cancel(jobs[2][0])
-        eng.run_until_idle()
-        eng.submit(jobs[4][0])
-        for _ in range(6):
-            eng.step()
-        jobs[4][0].deadline = 0.0
-        eng.run_until_idle()
-        eng.submit(jobs[5][0])
-        for _ in range(4):
-            eng.step()
-        eng.cancel(jobs[5][0])
-        eng.run_until_idle()
+        script = "s0 idle s1 idle s2 5 s3 10 c2 idle s4 6 d4 idle s5 4 c5 idle"  # (submit, steps, cancel, deadline)
+        for op in script.split():
+            if op == "idle":
+                eng.run_until_idle()
+            elif op.isdigit():
+                for _ in range(int(op)):
+                    eng.step()
+            else:
+                j = jobs[int(op[1:])][0]
+                {"s": eng.submit, "c": eng.cancel, "d": lambda j: setattr(j, "deadline", 0.0)}[op[0]](j)
         check(eng.prefix)
         got = [(s.tokens, s.done.kind, s.done.finish_reason) for _, s in jobs]
         return got, replace(eng.stats), replace(eng.prefix.stats), ctx.state_get_data(), taken
