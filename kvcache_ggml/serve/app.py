@@ -131,6 +131,11 @@ class _Prepared:
         head, tail = _sse(fmt.text_chunk(self.id, self.created, model, probe)).split(json.dumps(probe))
         self.text_sse = (head, tail)
 
+    def text_event(self, text: str) -> str:
+        """The server-sent event of a text chunk without logprobs, from the precomputed head and tail."""
+        head, tail = self.text_sse
+        return head + json.dumps(text, ensure_ascii=False) + tail
+
     def end_sse(self, ev: Event) -> str:
         """The server-sent events of a stream's end (``done``): its final chunk, then its usage when asked for."""
         out = _sse(self.fmt.final_chunk(self.id, self.created, self.model, ev.finish_reason))
@@ -143,8 +148,7 @@ class _Prepared:
         of the body, not its last (False); the end as its chunks and ``[DONE]`` in one chunk, then the body's last
         chunk (True).  None for the others (the loop's path)."""
         if ev.kind == "text" and not ev.logprobs:
-            head, tail = self.text_sse
-            return frame((head + json.dumps(ev.text, ensure_ascii=False) + tail).encode()), False
+            return frame(self.text_event(ev.text).encode()), False
         if ev.kind == "done":
             return frame((self.end_sse(ev) + _DONE).encode()) + LAST_CHUNK, True
         return None
@@ -355,9 +359,8 @@ class _Api:
         """The server-sent event(s) of one engine event (``offset``: the text's length so far, updated)."""
         name, fmt = self.svc.model_name, p.fmt
         if ev.kind == "text" and p.job.top_logprobs < 0:
-            head, tail = p.text_sse
             offset[0] += len(ev.text)
-            return head + json.dumps(ev.text, ensure_ascii=False) + tail
+            return p.text_event(ev.text)
         if ev.kind == "text":
             out = _sse(fmt.text_chunk(p.id, p.created, name, ev.text, ev.logprobs, offset[0]))
             offset[0] += len(ev.text)
