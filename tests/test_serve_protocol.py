@@ -147,8 +147,13 @@ def test_n_and_stop_limits():
 def test_logit_bias():
     s = parse_chat(_chat(logit_bias={"5": 100, 7: -100, "9": 0.5})).sampling
     assert s.logit_bias == {5: 100.0, 7: -100.0, 9: 0.5}
-    for bad in ({"x": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"5": True}, [1]):
+    for bad in ({"x": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"5": True}, [1], {"": 1}, {"5": math.nan},
+                {"5": -math.inf}):
         assert _err(parse_chat, _chat(logit_bias=bad)).param == "logit_bias"
+    # digits that are not ASCII: "²" (int() refuses it) and "٣" (int() reads it as 3) are no token ids
+    for key in ("\u00b2", "\u0663", "1\u0663"):
+        e = _err(parse_chat, _chat(logit_bias={key: 1}))
+        assert e.param == "logit_bias" and repr(key) in e.message
     s.check_vocab(10)
     e = pytest.raises(RequestError, s.check_vocab, 8).value
     assert e.status == 400 and "9" in e.message and "8" in e.message and e.param == "logit_bias"

@@ -218,7 +218,9 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         raise RequestError(f"logit_bias must be an object of token id -> bias, got {v!r}", param="logit_bias")
     out: dict[int, float] = {}
     for k, b in v.items():
-        if isinstance(k, bool) or not isinstance(k, (int, str)) or (isinstance(k, str) and not k.isdigit()):
+        # (ASCII digits only: str.isdigit also takes '²', which int() refuses, and '٣', which it reads as 3)
+        if (isinstance(k, bool) or not isinstance(k, (int, str))
+                or (isinstance(k, str) and not (k.isascii() and k.isdigit()))):
             raise RequestError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise RequestError(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {k}",
