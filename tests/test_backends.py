@@ -222,7 +222,8 @@ def test_non_loopback_rpc_refused_without_connecting():
         PlacedModel(hparams(), Placement.single("rpc://10.11.12.13:50052"))
     with pytest.raises(RpcServerError, match="IPv6"):
         parse_rpc_spec("rpc://::1:50052")
-    for bad in ("rpc://127.0.0.1", "rpc://127.0.0.1:0", "rpc://127.0.0.1:70000", "rpc://127.0.0.1:5/x"):
+    for bad in ("rpc://127.0.0.1", "rpc://127.0.0.1:0", "rpc://127.0.0.1:70000", "rpc://127.0.0.1:5/x",
+                "rpc://127.0.0.1:\u00b2", "rpc://127.0.0.1:5/\u00b2"):  # ('²': a digit to str.isdigit, not to int)
         with pytest.raises(RpcServerError, match="rpc spec|RPC spec"):
             parse_rpc_spec(bad)
 

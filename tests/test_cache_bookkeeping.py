@@ -395,3 +395,15 @@ TestUnifiedSwaChunked = _machine("UnifiedSwaChunked",
                                  dict(kv_size=12, n_seq_max=2, unified=True, n_swa=4, swa_type=2))
 TestMultiStreamSwa = _machine("MultiStreamSwa", dict(kv_size=8, n_seq_max=2, unified=False, n_swa=3, swa_type=1),
                               coupled=False)
+
+
+def test_debug_level_is_read_as_c_atoi_reads_it(monkeypatch):
+    # what glibc's atoi gives for each (hand-checked): whitespace and a sign, then the leading ASCII digits; else 0
+    from kvcache_ggml._env import atoi
+    for text, want in ((" 2", 2), ("+3", 3), ("-1", -1), ("12x", 12), ("7_0", 7), ("0x10", 0), ("--5", 0),
+                       ("- 5", 0), ("x", 0), ("", 0), ("\u00b2", 0), ("\u0663", 0)):
+        assert atoi(text) == want, text
+    monkeypatch.setenv("LLAMA_KV_CACHE_DEBUG", "--5")  # (int() of it raised while the cache was made)
+    assert make(8).book.debug == 0
+    monkeypatch.setenv("LLAMA_KV_CACHE_DEBUG", " 1")
+    assert make(8).book.debug == 1

@@ -70,9 +70,10 @@ def parse_rpc_spec(spec: str, allow_remote: bool = False) -> tuple[str, int]:
     body = s[len(RPC_SCHEME):] if s.lower().startswith(RPC_SCHEME) else s
     addr, _, dev = body.partition("/")
     host, sep, port_s = addr.rpartition(":")
-    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+    # (ASCII digits: str.isdigit also takes '²', which int() refuses)
+    if not sep or not host or not (port_s.isascii() and port_s.isdigit()) or not 0 < int(port_s) < 65536:
         raise RpcServerError(f"RPC spec {spec!r}: expected rpc://HOST:PORT[/DEVICE] with a port in 1..65535")
-    if dev and not dev.isdigit():
+    if dev and not (dev.isascii() and dev.isdigit()):
         raise RpcServerError(f"RPC spec {spec!r}: device index {dev!r} must be a number")
     host = _normalise_host(host)
     _check_host(host, allow_remote, f"RPC spec {spec!r}")

@@ -26,15 +26,15 @@ that, allowed in scripts/check_layout.py).
 from __future__ import annotations
 
 import logging
-import os
 from itertools import repeat
 from types import MappingProxyType
 
 import numpy as np
 
 from .._consts import INT32_MAX, LLAMA_MAX_SEQ, SEQ_WORDS
+from .._env import env_level
 from ._input import Batch, MemoryPositions, _filled
-from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, _TOKEN_ID_VIEWS, _TOKEN_IDS, UBatch, _atoi,
+from ._ubatch import (_ONE_N_SEQ_ID, _ONE_OUT, _ONE_SEQ0, _SEQ_IDX_NONE, _TOKEN_ID_VIEWS, _TOKEN_IDS, UBatch,
                       _decode_arrays, _distinct, _empty_ubatch, _present_seqs, _print_ubatch, _seq_pos_stats,
                       seq_groups)
 
@@ -59,7 +59,7 @@ _TOKEN_ID0 = _TOKEN_IDS[:1]  # the output ids of a one-token batch (a view of _T
 def read_debug_env() -> int:
     """Read LLAMA_BATCH_DEBUG again; allocators made from now on use the new level."""
     global _DEBUG
-    _DEBUG = _atoi(os.environ.get("LLAMA_BATCH_DEBUG"))
+    _DEBUG = env_level("LLAMA_BATCH_DEBUG")
     return _DEBUG
 
 

@@ -4,7 +4,6 @@ per-sequence position statistics, the grouping of tokens by sequence, and the de
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,14 +90,6 @@ def _empty_ubatch() -> UBatch:
     return UBatch(n_tokens=0, n_seq_tokens=0, n_seqs=0, n_seqs_unq=0, n_pos=0, b_equal_seqs=False,
                   token=None, embd=None, pos=_EMPTY_I32, n_seq_id=_EMPTY_I32, seq_id=_EMPTY_SEQ,
                   seq_id_unq=_EMPTY_I32, seq_idx=_SEQ_IDX_NONE, output=_EMPTY_I8)
-
-
-def _atoi(text: str | None) -> int:
-    """C ``atoi``: optional leading spaces and sign, then digits; 0 when there are none."""
-    if not text:  # unset: every allocator reads the variable
-        return 0
-    m = re.match(r"\s*([+-]?\d+)", text or "")
-    return int(m.group(1)) if m else 0
 
 
 def _distinct(a: np.ndarray) -> np.ndarray:

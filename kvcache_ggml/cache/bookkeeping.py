@@ -19,12 +19,12 @@ tests/test_decode_fast_path.py runs them next to the general paths on random tra
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
 import numpy as np
 
 from .._consts import INT32_MAX, LLAMA_MAX_SEQ
+from .._env import env_level
 from ..batch import BatchAllocator, UBatch
 from ..hparams import SwaType, is_masked_swa_np
 from .cells.kvcells import KVCells
@@ -61,8 +61,7 @@ class KVBookkeeping:
         self.stream_of: list[int] = self.seq_to_stream.tolist()  # the same, for scalar lookups
         self.n_seq_ids = len(self.stream_of)           # sequence ids of the memory API: [0, n_seq_ids)
         self.sc_info = StreamCopyInfo()                # whole-stream copies queued for the next update
-        dbg = os.environ.get("LLAMA_KV_CACHE_DEBUG")
-        self.debug = int(dbg) if dbg and dbg.lstrip("-").isdigit() else 0  # the seed's debug level
+        self.debug = env_level("LLAMA_KV_CACHE_DEBUG")  # the seed's debug level
         self.fast = True  # decode fast paths on (the equivalence tests turn them off to compare)
         self.wrap_stats = WrapStats()  # how often the scalar paths over a wrapped window served
         # read-only 0..kv_size-1: the one-cell slot of a decode step is a view of it (cheaper than a new array)
