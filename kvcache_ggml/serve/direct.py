@@ -18,8 +18,9 @@ The pieces:
   cancels the request.
 * :class:`DirectSink` -- a job's ``emit``: a text event goes to the socket while no event of the job that went
   through the loop is still unwritten (the order of the bytes is the order of the events), the end likewise at the
-  engine's wake-up (below); anything else goes to the outbox as before.  A prompt read before the response's head is out (a short one) gives its first tokens to
-  the loop; the later ones go direct once the loop has written those.
+  engine's wake-up (below); anything else goes to the outbox as before.  A prompt read before the response's head
+  is out (a short one) gives its first tokens to the loop; the later ones go direct once the loop has written
+  those.
 
 The app opens a stream's socket once the response's head and first chunk are out (nothing left in the transport's
 buffer), only for HTTP/1.1 without TLS, and only on a server of one slot (``--parallel 1``), where a stream is the
