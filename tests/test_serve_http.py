@@ -161,6 +161,35 @@ def test_cancelled_stream_releases_its_cells(server):
             assert 4 <= newest.tokens.size < 4 + 500
 
 
+def test_plain_request_is_cancelled_when_its_client_leaves_mid_generation(model_path):
+    """A plain (not streamed) request whose tokens keep coming -- no max_tokens, ignore_eos and --context-shift: it
+    would never end -- is cancelled within seconds of its client closing the connection, as llama-server's polling
+    does.  The client's going is looked for every second even while events arrive (before, only after a second
+    without one: such a request held its slot for ever)."""
+    import socket
+
+    s = LiveServer(["--model", str(model_path), "--alias", "tiny", "--parallel", "1", "--n-ctx", "256", "-t", "2",
+                    "--context-shift", "--no-fa-tiles"])
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "Once upon a time", "temperature": 0,
+                           "ignore_eos": True}).encode()
+        conn = socket.create_connection(("127.0.0.1", s.port))
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        t0 = time.monotonic()
+        while s.engine.snapshot().stats.context_shifts < 2:  # (running, and past the context twice)
+            assert time.monotonic() - t0 < 60, "the request did not run past the context"
+            time.sleep(0.05)
+        assert s.engine.n_running == 1
+        conn.close()
+        s.wait_idle(timeout=10)  # (the poll's second, then the next step)
+        assert s.engine.stats.requests_cancelled == 1
+        r = s.client().completions.create(model="tiny", prompt="Once upon a time", max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4  # (the slot is free again)
+    finally:
+        s.close()
+
+
 def test_tokenize_detokenize_models_health_metrics(server):
     vocab = server.svc.vocab
     toks = http(server.url + "/tokenize", {"content": "Hello world"}).json()["tokens"]

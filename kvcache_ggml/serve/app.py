@@ -77,6 +77,7 @@ def _error(e: P.RequestError, headers: dict | None = None) -> JSONResponse:
 
 
 _DONE = "data: [DONE]\n\n"  # a stream's last server-sent event
+_POLL_SECONDS = 1.0  # how often a plain request looks for a gone client (llama-server: HTTP_POLLING_SECONDS)
 
 
 def _sse(obj: Any) -> str:
@@ -283,17 +284,24 @@ class _Api:
     async def events(self, p: _Prepared, request: Request, poll: bool) -> AsyncIterator[list[Event]]:
         """The job's events until its end, in lists of those that have arrived (a stream sends each list as one
         write); cancels the job when the client goes away or the task is cancelled.  ``poll``: look for a gone
-        client every second (a plain request; a stream's response is cancelled by starlette when its client goes)."""
+        client every second, whether events arrive or not (a plain request, whose tokens may flow for as long as
+        the context shifts; a stream's response is cancelled by starlette when its client goes)."""
         done = False
         queue = p.queue
+        loop = asyncio.get_running_loop()
+        next_poll = loop.time() + _POLL_SECONDS
         try:
             while not done:
                 if poll:
                     try:
-                        ev = await asyncio.wait_for(queue.get(), timeout=1.0)
+                        ev = await asyncio.wait_for(queue.get(), timeout=_POLL_SECONDS)
                     except asyncio.TimeoutError:
+                        ev = None
+                    if loop.time() >= next_poll:
                         if await request.is_disconnected():
                             return
+                        next_poll = loop.time() + _POLL_SECONDS
+                    if ev is None:
                         continue
                 else:
                     ev = await queue.get()
