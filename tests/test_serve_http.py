@@ -242,6 +242,14 @@ def test_bad_requests_get_openai_errors_and_change_nothing(server):
         r = http(h.url + "/v1/completions", {"model": "tiny", "prompt": long})
         msg = error_of(r)["message"]
         assert r.status_code == 400 and str(N_CTX + 5) in msg and str(N_CTX) in msg
+        for path, body in [("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}'),
+                           ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", '
+                                                    b'"content": "x\\udfff"}]}'),
+                           ("/tokenize", b'{"content": "\\ud800"}'),
+                           ("/v1/completions", b'{"model": "tiny", "prompt": "x", "a": ' + b"[" * 3000 + b"]" * 3000
+                            + b"}")]:  # (500s before: the tokenizer's TypeError, json's RecursionError)
+            r = http(h.url + path, body)
+            assert r.status_code == 400 and "the body is not valid JSON" in error_of(r)["message"], (path, r.text)
         r = http(h.url + "/v1/completions", b"x" * (server.svc.max_body + 1))
         assert r.status_code == 413 and str(server.svc.max_body) in error_of(r)["message"]
     with pytest.raises(openai.BadRequestError):

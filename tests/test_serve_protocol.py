@@ -38,6 +38,23 @@ def test_error_body_shape():
     assert RequestError("t", status=503, type="overloaded").type == "overloaded"
 
 
+def test_body_json_utf8_depth_and_surrogates():
+    """parse_json: UTF-8 JSON only (a BOM dropped); a lone surrogate, escaped or as UTF-8 bytes, and nesting past the
+    recursion limit are 400s (they were 500s: the tokenizer refuses such a string, json.loads raises RecursionError);
+    an escaped pair (an emoji as ensure_ascii writes it) and an escaped backslash before "ud800" are text."""
+    assert P.parse_json(b'{"a": "\\ud83d\\ude00", "b": "\\\\ud800"}') == {"a": "\U0001f600", "b": "\\ud800"}
+    assert P.parse_json("\ufeff[1]".encode()) == [1]
+    for body, says in [(b'{"prompt": "x\\ud800y"}', "lone surrogate \\ud800 at character 1"),
+                       (b'{"m": [{"\\uDC01": 1}]}', "lone surrogate \\udc01 at character 0"),
+                       (b'{"prompt": "\\ude00\\ud83d"}', "lone surrogate \\ude00 at character 0"),
+                       (b'{"prompt": "\xed\xa0\x80"}', "can't decode byte 0xed"),
+                       ('"x"'.encode("utf-16"), "can't decode byte 0xff"),
+                       (b"[" * 5000 + b"]" * 5000, "nests arrays or objects too deeply"),
+                       (b"{not json", "Expecting property name")]:
+        e = _err(P.parse_json, body)
+        assert e.status == 400 and e.message.startswith("the body is not valid JSON: ") and says in e.message, body
+
+
 def test_body_must_be_object():
     for body in ([1], "x", None, 3):
         assert _err(parse_chat, body).status == 400

@@ -239,10 +239,7 @@ class _Api:
             data += part
             if len(data) > limit:
                 raise P.RequestError(f"the body has more than {limit} bytes, the limit", status=413)
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise P.RequestError(f"the body is not valid JSON: {err}") from None
+        return P.parse_json(data)
 
     async def prepare(self, request: Request, fmt: Formatter) -> _Prepared:
         body = await self.body_of(request)

@@ -3,7 +3,9 @@
 Rules (each broken rule is a :class:`RequestError`, HTTP 400 unless said, naming the field in ``param`` and the
 offending value and the limit in the message):
 
-* the body is the already-decoded JSON object; anything else than an object is refused.  Unknown fields are ignored
+* the body is JSON in UTF-8 (``parse_json``): bytes that are not UTF-8, text that does not parse, nests deeper than Python's recursion limit allows
+  or holds a string with a lone UTF-16 surrogate (``"\\ud800"``, which no UTF-8 text can hold) is refused; the
+  parsers below take the decoded object, and anything else than an object is refused.  Unknown fields are ignored
   (clients send extras); a field given as JSON ``null`` counts as absent.
 * types are strict: a boolean must be ``true``/``false`` (not ``1``), an integer must be an integer (not ``true``,
   not ``1.0``), a number may be an integer or a float (not a boolean), a string must be a string.
@@ -28,13 +30,15 @@ A logprob of ``-inf`` is written as ``-9999.0``, OpenAI's value for "very unlike
 """
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .results import Usage
 
-__all__ = ["RequestError", "SamplingParams", "CompletionRequest", "ChatRequest", "parse_completion", "parse_chat",
+__all__ = ["RequestError", "parse_json", "SamplingParams", "CompletionRequest", "ChatRequest", "parse_completion", "parse_chat",
            "usage_dict", "completion_response", "completion_chunk", "completion_logprobs", "chat_response",
            "chat_chunk", "chat_token_logprob", "usage_chunk", "models_response", "ROLES", "MIN_LOGPROB",
            "ShiftFields", "parse_shift_fields"]
@@ -64,6 +68,38 @@ class RequestError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- field readers
+
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a UTF-16 surrogate written as a JSON escape
+
+
+def parse_json(data: bytes | bytearray) -> Any:
+    """The request body's JSON, decoded; a :class:`RequestError` (400) where it is not UTF-8 (a leading BOM is
+    dropped), does not parse, nests too deeply or holds a lone surrogate.  Only a body with a surrogate's escape
+    (a pair is how ``ensure_ascii`` writes an emoji) is walked to look for one."""
+    try:
+        v = json.loads(data.decode("utf-8-sig"))  # (strict: json.loads of bytes would let encoded surrogates pass)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise RequestError(f"the body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise RequestError("the body is not valid JSON: it nests arrays or objects too deeply") from None
+    if _ESCAPED_SURROGATE.search(data):
+        stack = [v]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, str):
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise RequestError(f"the body is not valid JSON: a string holds a lone surrogate "
+                                       f"\\u{ord(x[err.start]):04x} at character {err.start} (UTF-16 surrogates "
+                                       f"come in pairs)") from None
+            elif isinstance(x, dict):
+                stack += x.keys()
+                stack += x.values()
+            elif isinstance(x, list):
+                stack += x
+    return v
+
 
 def _get(body: dict[str, Any], name: str) -> Any:
     v = body.get(name)
