@@ -56,6 +56,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--temp, --top-k and --n-ctx must be >= 0, got {a.temp}, {a.top_k} and {a.n_ctx}")
     if not (0 < a.top_p <= 1 and 0 <= a.min_p <= 1):
         ap.error(f"--top-p must be in (0, 1] and --min-p in [0, 1], got {a.top_p} and {a.min_p}")
+    try:
+        a.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:  # (bytes that are not UTF-8 come from argv as lone surrogates)
+        ap.error(f"--prompt is not UTF-8 text: {a.prompt[e.start].encode('utf-8', 'surrogateescape')!r} at "
+                 f"character {e.start}")
     if not a.model.is_file():
         ap.error(f"--model {a.model}: no such file")
     why = unsupported_arch(a.model)

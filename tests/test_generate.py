@@ -72,6 +72,14 @@ def test_bad_sampling_options_are_refused(gpt2_model, capsys):
         assert value in capsys.readouterr().err
 
 
+def test_a_prompt_that_is_not_utf8_is_refused(gpt2_model, capsys):
+    """argv's bytes that are not UTF-8 reach Python as lone surrogates (surrogateescape): a usage error naming the
+    byte, where the tokenizer raised a traceback."""
+    with pytest.raises(SystemExit):
+        generate_main(["--model", str(gpt2_model), "--prompt", b"ab\xffcd".decode("utf-8", "surrogateescape")])
+    assert "--prompt is not UTF-8 text: b'\\xff' at character 2" in capsys.readouterr().err
+
+
 def test_memory_plan_before_allocation(gpt2_model):
     with Model(gpt2_model) as m:
         for p in (ContextParams(n_ctx=0, n_seq_max=3), ContextParams(n_ctx=300, n_seq_max=2, kv_unified=True,

@@ -81,6 +81,17 @@ def test_byte_fallback_and_errors(tmp_path):
     assert small.n_tokens == 16 and small.tokenize("t1t2", add_special=False)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_lone_surrogate_is_a_value_error(name):
+    """A str holding a lone surrogate (from JSON's "\\ud800", or surrogateescape'd bytes) is no Unicode text: a
+    ValueError naming it, where ``tokenizers`` raised a bare TypeError; a pair's character (an emoji) tokenizes."""
+    v = Vocab.from_gguf(DATA / f"ggml-vocab-{name}.gguf")
+    for text in ("ab\ud800c", "\udcff", "x" * 40000 + "\udfff"):  # (the last: too long for the fragment cache)
+        with pytest.raises(ValueError, match=r"lone surrogate '\\ud[89a-f]..'"):
+            v.tokenize(text)
+    assert v.detokenize(v.tokenize("\U0001f600", add_special=False)) == "\U0001f600"
+
+
 def _fragments_brute(v, text, parse_special):
     """llama.cpp's tokenizer_st_partition spelled out: every special token in turn (longest first), each fragment
     split at every occurrence of it."""

@@ -185,8 +185,17 @@ class Vocab:
         self._encode_cached = functools.lru_cache(maxsize=_CACHED_FRAGMENTS)(self._encode)
 
     def _encode(self, text: str) -> array:
-        """The ids of one text fragment (no special token in it), as int32."""
-        return array("i", self._tk.encode(text, add_special_tokens=False).ids)
+        """The ids of one text fragment (no special token in it), as int32; ``ValueError`` for a string holding a
+        lone surrogate (no UTF-8 text does: ``tokenizers`` raises a bare ``TypeError`` for it)."""
+        try:
+            return array("i", self._tk.encode(text, add_special_tokens=False).ids)
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the text holds a lone surrogate {text[e.start]!r}, which no Unicode text "
+                                 f"does") from None
+            raise
 
     def _spm_merges(self, vocab: dict[str, int]) -> list[tuple[str, str]]:
         """Every split of a normal piece into two pieces of the vocabulary, best score of the merged piece first."""
