@@ -116,6 +116,35 @@ def test_bad_sequence_ids_raise_and_change_nothing():
         kvu.seq_pos_max(256)
 
 
+def test_arguments_that_are_not_integers_raise_type_errors_naming_them_and_change_nothing():
+    """llama_seq_id and llama_pos are integers: a float, None or a string is a TypeError naming the method and the
+    argument, raised before anything changes.  Before, seq_rm(1, 1.5) removed positions >= 2, seq_add with a shift
+    of 1.5 moved cells, and a NaN position failed an internal assertion.  Numpy integers are integers."""
+    kv = make(16, n_seq_max=3)
+    decode(kv, list(range(6)), [1] * 6)
+    before = snapshot(kv)
+    nan = float("nan")
+    for method, args, arg in [("seq_rm", (1, 1.5, -1), "p0"), ("seq_rm", (1, nan, 3), "p0"), ("seq_rm", (1.0, 0, -1),
+                              "seq_id"), ("seq_rm", (1, 0, None), "p1"), ("seq_cp", (1, 2, 0, 2.5), "p1"),
+                              ("seq_cp", ("1", 2, 0, -1), "seq_id_src"), ("seq_cp", (1, 2.0, 0, -1), "seq_id_dst"),
+                              ("seq_keep", (1.0,), "seq_id"), ("seq_add", (1, 0, -1, 1.5), "shift"),
+                              ("seq_add", (1, 0, -1, np.float64(1)), "shift"), ("seq_div", (1, 0, -1, 2.0), "d"),
+                              ("seq_div", (1, nan, -1, 2), "p0"), ("seq_pos_min", (None,), "seq_id"),
+                              ("seq_pos_max", ("1",), "seq_id")]:
+        with pytest.raises(TypeError, match=rf"^{method}\(\) {arg} must be an integer, got "):
+            getattr(kv, method)(*args)
+        assert_same_snapshot(before, snapshot(kv))
+    blob = kv.state_save(1)
+    for method, args, arg in [("state_save", (1.0,), "seq_id"), ("state_size", (None,), "seq_id"),
+                              ("state_load", (blob, 1.5), "seq_id"), ("check_seq_state", (1.0,), "seq_id"),
+                              ("get_used", (0.0,), "stream")]:
+        with pytest.raises(TypeError, match=rf"^{method}\(\) {arg} must be an integer, got "):
+            getattr(kv, method)(*args)
+        assert_same_snapshot(before, snapshot(kv))
+    assert kv.seq_pos_max(np.int64(1)) == 5 and kv.seq_rm(np.int32(1), np.int64(4), np.int16(-1))
+    assert kv.seq_pos_max(1) == 3 and kv.get_used(np.int64(0)) == 4
+
+
 def test_seq_add_on_mrope_model_raises():
     kv = KVCache(ToyModel(rope_type=RopeType.MROPE), kv_size=8)
     with pytest.raises(ValueError, match="n_pos_per_embd"):

@@ -25,6 +25,7 @@ sizes and :meth:`close` still answer.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any, Sequence
 
 import numpy as np
@@ -143,25 +144,28 @@ class KVCache:
             self.check_rpc("clear")
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        return self.book.seq_rm(seq_id, p0, p1)
+        return self.book.seq_rm(_int(seq_id, "seq_rm", "seq_id"), _int(p0, "seq_rm", "p0"), _int(p1, "seq_rm", "p1"))
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
-        self.book.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+        self.book.seq_cp(_int(seq_id_src, "seq_cp", "seq_id_src"), _int(seq_id_dst, "seq_cp", "seq_id_dst"),
+                         _int(p0, "seq_cp", "p0"), _int(p1, "seq_cp", "p1"))
 
     def seq_keep(self, seq_id: int) -> None:
-        self.book.seq_keep(seq_id)
+        self.book.seq_keep(_int(seq_id, "seq_keep", "seq_id"))
 
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
-        self.book.seq_add(seq_id, p0, p1, shift)
+        self.book.seq_add(_int(seq_id, "seq_add", "seq_id"), _int(p0, "seq_add", "p0"), _int(p1, "seq_add", "p1"),
+                          _int(shift, "seq_add", "shift"))
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        self.book.seq_div(seq_id, p0, p1, d)
+        self.book.seq_div(_int(seq_id, "seq_div", "seq_id"), _int(p0, "seq_div", "p0"), _int(p1, "seq_div", "p1"),
+                          _int(d, "seq_div", "d"))
 
     def seq_pos_min(self, seq_id: int) -> int:
-        return self.book.seq_pos_min(seq_id)
+        return self.book.seq_pos_min(_int(seq_id, "seq_pos_min", "seq_id"))
 
     def seq_pos_max(self, seq_id: int) -> int:
-        return self.book.seq_pos_max(seq_id)
+        return self.book.seq_pos_max(_int(seq_id, "seq_pos_max", "seq_id"))
 
     def get_size(self) -> int:
         return self.book.get_size()
@@ -173,6 +177,7 @@ class KVCache:
         """Cells holding a token in ``stream`` (-1: in every stream); a batch of n tokens for the sequences of a
         stream has a slot when ``get_size() - get_used(stream) >= n``."""
         cells = self.book.v_cells
+        stream = _int(stream, "get_used", "stream")
         if stream < 0:
             return sum(c.get_used() for c in cells)
         if stream >= len(cells):
@@ -332,31 +337,31 @@ class KVCache:
     # ================================================================== state API
 
     def state_write(self, io: StateWriter, seq_id: int = -1, flags: int = 0) -> int:
-        n = self.codec.state_write(io, seq_id, flags)
+        n = self.codec.state_write(io, _int(seq_id, "state_write", "seq_id"), _int(flags, "state_write", "flags"))
         self.check_rpc("state_write")
         return n
 
     def state_read(self, io: StateReader, seq_id: int = -1, flags: int = 0) -> int:
         try:
-            return self.codec.state_read(io, seq_id, flags)
+            return self.codec.state_read(io, _int(seq_id, "state_read", "seq_id"), _int(flags, "state_read", "flags"))
         finally:
             self.check_rpc("state_read", sync=True)
 
     def state_check(self, io: StateReader, seq_id: int = -1) -> int:
         """What :meth:`state_read` checks, changing nothing; the state's cells (``StateCodec.state_check``)."""
-        return self.codec.state_check(io, seq_id)
+        return self.codec.state_check(io, _int(seq_id, "state_check", "seq_id"))
 
     def state_size(self, seq_id: int = -1) -> int:
-        return self.codec.state_size(seq_id)
+        return self.codec.state_size(_int(seq_id, "state_size", "seq_id"))
 
     def state_save(self, seq_id: int = -1) -> bytes:
-        data = self.codec.state_save(seq_id)
+        data = self.codec.state_save(_int(seq_id, "state_save", "seq_id"))
         self.check_rpc("state_save")
         return data
 
     def state_load(self, data: Any, seq_id: int = -1) -> int:
         try:
-            return self.codec.state_load(data, seq_id)
+            return self.codec.state_load(data, _int(seq_id, "state_load", "seq_id"))
         finally:
             self.check_rpc("state_load", sync=True)
 
@@ -364,7 +369,7 @@ class KVCache:
         """ValueError unless the state of ``seq_id`` (-1: every sequence, when ``allow_all``) can be saved or
         restored here: a sequence of this cache, a layout with per-row data and (``data``) tensors holding data.
         The state files check it before they touch the file or the cache."""
-        self.book.check_seq(seq_id, allow_all)
+        self.book.check_seq(_int(seq_id, "check_seq_state", "seq_id"), allow_all)
         self.codec.check_layout(data)
 
     # ================================================================== the fast paths
@@ -424,3 +429,14 @@ _UNGUARDED = frozenset(("get_size", "get_n_stream", "get_has_shift", "get_can_sh
 # what raises on a lost cache: every other public method
 _GUARDED: tuple[str, ...] = tuple(n for n, v in vars(KVCache).items()
                                   if callable(v) and not n.startswith("_") and n not in _UNGUARDED)
+
+
+def _int(v: Any, method: str, arg: str) -> int:
+    """``v`` as an int: a Python or numpy integer (or a bool), what C++ takes as a llama_seq_id or llama_pos; a
+    TypeError naming the argument for anything else (a float such as 1.5 or NaN was taken as a position before)."""
+    if type(v) is int:
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{method}() {arg} must be an integer, got {v!r}") from None
