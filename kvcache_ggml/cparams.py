@@ -146,6 +146,7 @@ class CParams:
         """Resolve ``params`` against the model, as the llama_context constructor does."""
         p = params if params is not None else ContextParams()
         p.check()
+        _check_cache_types(p, hparams)
         h = _ModelRope.of(hparams)
         c = cls()
         c.n_seq_max = max(1, p.n_seq_max)
@@ -169,6 +170,21 @@ class CParams:
         c.op_offload, c.kv_unified = p.op_offload, p.kv_unified
         _resolve_ctx_sizes(c)
         return c
+
+
+def _check_cache_types(p: ContextParams, hparams: Any) -> None:
+    """llama_init_from_model's refusals of the K/V cache types: a quantized V needs flash attention (a transposed V
+    is written one value at a time, which no block type holds: llama.cpp's release build writes nothing, its debug
+    build asserts), and a block type's size must divide the head size the cache is viewed in."""
+    from .ggml import blck_size, is_quantized, type_name
+
+    if is_quantized(p.type_v) and not p.flash_attn:
+        raise ValueError(f"V cache quantization requires flash_attn (type_v {type_name(p.type_v)})")
+    for which, t in (("k", p.type_k), ("v", p.type_v)):
+        head, blck = getattr(hparams, f"n_embd_head_{which}", None), blck_size(t)
+        if isinstance(head, int) and head % blck:
+            raise ValueError(f"{which.upper()} cache type {type_name(t)} with block size {blck} does not divide "
+                             f"n_embd_head_{which}={head}")
 
 
 @dataclass(slots=True)

@@ -139,6 +139,18 @@ def test_cpy_k_ops(ctx, n_stream):
     kv.close()
 
 
+def test_cpy_v_of_a_transposed_quantized_v_raises(ctx):
+    """A transposed V cache of a block type is made, as the seed's constructor makes it, but writing it is refused:
+    its values go one at a time, which a block cannot hold (the seed's ggml_row_size asserts in debug builds and
+    writes nothing in release ones: the logits were silently wrong)."""
+    kv = KVCache(ToyModel(n_embd_head=32), kv_size=8, v_trans=True, type_v="q8_0")
+    v_idxs = kv.build_input_v_idxs(ctx, SimpleNamespace(n_tokens=2))
+    v_cur = G.new_tensor(ctx, "f32", (32, kv.hparams.n_head_kv(0), 2))
+    with pytest.raises(ValueError, match=r"transposed V cache of block type q8_0 cannot be written"):
+        kv.cpy_v(ctx, v_cur, v_idxs, 0, None)
+    kv.close()
+
+
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("v_trans", [False, True])
 def test_cpy_v_ops(ctx, v_trans, strided):

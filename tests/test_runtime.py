@@ -377,6 +377,23 @@ def test_context_params_check_names_the_field_and_the_limit(field, value, msg):
     ContextParams().check()                                         # llama.cpp's defaults pass
 
 
+def test_cache_types_the_model_cannot_take_are_refused_at_creation(tmp_path):
+    """As llama_init_from_model: a quantized V without flash attention (its transposed V was written wrong: the
+    logits came out silently different), and a block type whose block does not divide the head size (before: a
+    ValueError at the first decode, after the server had started)."""
+    with Model(make_model(tmp_path / "h32.gguf", ModelSpec(layers=1, embd=64, heads=2, heads_kv=1, ff=64))) as m:
+        with pytest.raises(ValueError, match=r"V cache quantization requires flash_attn \(type_v q8_0\)"):
+            Context(m, n_ctx=256, type_v="q8_0", flash_attn=False)
+        for kw in (dict(type_k="q8_0", flash_attn=False), dict(type_k="q4_0", type_v="iq4_nl", flash_attn=True),
+                   dict(type_k="bf16", type_v="bf16", flash_attn=False)):
+            Context(m, n_ctx=256, **kw).close()  # (head size 32: any block of 32 divides it)
+    with Model(make_model(tmp_path / "h16.gguf", ModelSpec(layers=1, embd=64, heads=4, heads_kv=1, ff=64))) as m:
+        for kw, msg in [(dict(type_k="q8_0"), "K cache type q8_0 with block size 32 does not divide n_embd_head_k=16"),
+                        (dict(type_v="q4_0"), "V cache type q4_0 with block size 32 does not divide n_embd_head_v=16")]:
+            with pytest.raises(ValueError, match=msg):
+                Context(m, n_ctx=256, flash_attn=True, **kw)
+
+
 def test_context_params_resolve_as_llama_context(model):
     """n_ubatch 0 is n_batch and the attention type the model's unless set (llama_context's constructor)."""
     with Context(model, n_ctx=256, n_batch=64, n_ubatch=0) as ctx:

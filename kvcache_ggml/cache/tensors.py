@@ -281,6 +281,9 @@ class KVTensors:
                 v = G.ggml_reshape_2d(c, v, n_embd_gqa, self.kv_size * self.n_stream)  # [n_embd_gqa, kv*n_s]
             return G.ggml_set_rows(c, v, v_cur, v_idxs)
 
+        if G.blck_size(self.type_v) != 1:  # (ggml_row_size asserts in the seed's reshape below: one value, no block)
+            raise ValueError(f"a transposed V cache of block type {G.type_name(self.type_v)} cannot be written: its "
+                             f"values go one at a time (llama.cpp: V cache quantization requires flash_attn)")
         width = G.ne(v)[0]                             # n_embd_v_gqa_max [TAG_V_CACHE_VARIABLE]
         _check_rows_source("v_cur", v_cur, ne_cur, nb_cur, width, il, padded=True)
         _check_idxs("v_idxs", v_idxs, n_tokens * width)
