@@ -290,6 +290,29 @@ def test_split_steps_flag_unset_leaves_it_to_the_slots(model_path):
     assert [split(), split("--split-steps"), split("--no-split-steps")] == [None, True, False]
 
 
+def test_bad_options_are_usage_errors_naming_the_value(model_path, capsys):
+    """Each bad option is refused by the argument check, naming the option, the value and the limit: before, a cache
+    type ggml does not know raised a traceback from the context, --max-body-mib nan one from int(), -1 started a
+    server that refused every body, and one message covered four options."""
+    from kvcache_ggml.serve.cli import CACHE_TYPES, parse_args
+
+    for extra, says in [(["-ctk", "q9_0"], "argument --cache-type-k/-ctk: invalid choice: 'q9_0'"),
+                        (["-ctv", "i32"], "argument --cache-type-v/-ctv: invalid choice: 'i32'"),
+                        (["--max-body-mib", "nan"], "--max-body-mib must be a finite number > 0, got nan"),
+                        (["--max-body-mib", "-1"], "--max-body-mib must be a finite number > 0, got -1.0"),
+                        (["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
+                        (["--timeout", "0"], "--timeout must be a number of seconds > 0, got 0.0"),
+                        (["--port", "65536"], "--port must be in [0, 65535], got 65536"),
+                        (["--max-queue", "-1"], "--max-queue must be >= 0, got -1"),
+                        (["--host-cache-mib", "-2"], "--host-cache-mib must be >= 0, got -2")]:
+        with pytest.raises(SystemExit):
+            parse_args(["--model", str(model_path), *extra])
+        assert says in capsys.readouterr().err, extra
+    a = parse_args(["--model", str(model_path), "-ctk", "q8_0", "-ctv", "iq4_nl", "--timeout", "inf"])
+    assert (a.cache_type_k, a.cache_type_v, a.timeout) == ("q8_0", "iq4_nl", float("inf"))
+    assert set(CACHE_TYPES) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"}
+
+
 def test_api_key_and_full_queue(model_path):
     s = LiveServer(["--model", str(model_path), "--alias", "tiny", "--parallel", "1", "--max-queue", "0",
                     "--n-ctx", "1024", "-t", "2", "--api-key", "sekrit"])

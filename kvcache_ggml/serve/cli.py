@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import signal
 import socket
 import sys
@@ -18,12 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "parse_args", "open_service"]
+__all__ = ["main", "parse_args", "open_service", "CACHE_TYPES"]
+
+# the K/V cache types llama-server's -ctk/-ctv take (the types set_rows writes)
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from ..runtime.arch import supported_archs, unsupported_arch
-    from .speculative import add_spec_args, check_spec_args
+    from ..runtime.arch import supported_archs
+    from .speculative import add_spec_args
 
     ap = argparse.ArgumentParser(prog="python -m kvcache_ggml serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,8 +46,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ubatch", "-ub", type=int, default=512, help="tokens per graph (default %(default)s)")
     ap.add_argument("--kv-unified", "-kvu", action="store_true", help="one cache shared by all sequences")
     ap.add_argument("--flash-attn", "-fa", choices=("on", "off"), default="on", help="flash attention (default on)")
-    ap.add_argument("--cache-type-k", "-ctk", default="f16", help="ggml type of the K cache (default %(default)s)")
-    ap.add_argument("--cache-type-v", "-ctv", default="f16", help="ggml type of the V cache (default %(default)s)")
+    ap.add_argument("--cache-type-k", "-ctk", default="f16", choices=CACHE_TYPES, metavar="TYPE",
+                    help=f"ggml type of the K cache: {', '.join(CACHE_TYPES)} (default %(default)s)")
+    ap.add_argument("--cache-type-v", "-ctv", default="f16", choices=CACHE_TYPES, metavar="TYPE",
+                    help="ggml type of the V cache (default %(default)s)")
     ap.add_argument("--threads", "-t", type=int, default=4, help="CPU threads (default %(default)s)")
     ap.add_argument("--host-cache-mib", type=int, default=0, help="RAM for evicted prefixes, MiB (default 0: none)")
     ap.add_argument("--api-key", default="", help="require Authorization: Bearer KEY")
@@ -74,6 +80,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="a request reaching the context drops n_discard tokens after n_keep and goes on (default: "
                          "off, it ends with finish_reason length)")
     a = ap.parse_args(argv)
+    _check_args(ap, a)
+    return a
+
+
+def _check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Each option's limit (a usage error naming the option, the value and the limit); --parked resolved."""
+    from ..runtime.arch import unsupported_arch
+    from .speculative import check_spec_args
+
     if a.prompts_per_step is not None and a.prompts_per_step < 0:
         ap.error(f"--prompts-per-step must be >= 0 (0: no limit), got {a.prompts_per_step}")
     if a.cache_reuse < 0:
@@ -81,8 +96,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("parallel", "n_ctx", "batch", "ubatch", "threads"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.host_cache_mib < 0 or a.max_queue < 0 or a.timeout <= 0 or not 0 <= a.port < 65536:
-        ap.error("--host-cache-mib and --max-queue must be >= 0, --timeout > 0, --port in [0, 65535]")
+    for name in ("host_cache_mib", "max_queue"):
+        if getattr(a, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
+    if not a.timeout > 0:  # (NaN too; inf: no limit)
+        ap.error(f"--timeout must be a number of seconds > 0, got {a.timeout}")
+    if not 0 < a.max_body_mib < math.inf:
+        ap.error(f"--max-body-mib must be a finite number > 0, got {a.max_body_mib}")
+    if not 0 <= a.port <= 65535:
+        ap.error(f"--port must be in [0, 65535], got {a.port}")
     if a.parked < 0:  # (one slot: its own sequence is the cache, as llama-server's; see docs/serving.md)
         a.parked = a.parallel if a.kv_unified and a.parallel > 1 else 0
     if not a.model.is_file():
@@ -93,7 +115,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     check_spec_args(ap, a)
     if a.slot_save_path is not None and not a.slot_save_path.is_dir():
         ap.error(f"--slot-save-path {a.slot_save_path}: not a directory")
-    return a
 
 
 def open_service(a: argparse.Namespace):
@@ -190,7 +211,11 @@ def main(argv: list[str]) -> int:
 
     a = parse_args(argv)
     G.set_log_level(3)
-    model, ctx, svc = open_service(a)
+    try:
+        model, ctx, svc = open_service(a)
+    except ValueError as e:  # (what the model and the options cannot do together: a cache type, a draft model)
+        print(f"python -m kvcache_ggml serve: error: {e}", file=sys.stderr)
+        return 2
     try:
         sock = listen_socket(a.host, a.port)  # connections wait in the backlog from here on, while uvicorn starts
         host, port = sock.getsockname()[:2]
