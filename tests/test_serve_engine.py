@@ -248,6 +248,11 @@ def test_queue_limit_prompt_limit_and_cancel(model):
             eng.submit(jobs[3][0])
         with pytest.raises(ValueError, match="300 tokens.*256 per sequence"):
             eng.submit(job(vocab, np.full(300, 5), 1)[0])
+        # ids outside the vocabulary are refused at submission: planned, they failed the step (every request in it)
+        with pytest.raises(ValueError, match=rf"token id {VOCAB + 3} out of range \[0, n_vocab={VOCAB}\)"):
+            eng.submit(job(vocab, [5, 6, VOCAB + 3], 1)[0])
+        with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*31\), got \[-2, 7\]"):
+            eng.submit(job(vocab, [5, -2, 7], 1)[0])
         eng.cancel(jobs[0][0])
         eng.run_until_idle()
         assert jobs[0][1].done.finish_reason == "cancelled" and jobs[0][1].tokens == []

@@ -110,10 +110,11 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; ``QueueFull`` when ``max_queue`` requests wait already, ValueError for a prompt the
-        context cannot hold."""
+        context cannot hold or with a token id outside the vocabulary."""
         n = int(job.tokens.size)
         if n == 0:
             raise ValueError("the prompt is empty")
+        self.prefix.index.check_tokens(job.tokens)  # (an id outside the vocabulary would fail every request's step)
         check_shift_fields(job, self.can_shift)
         if n >= self.n_ctx_seq:
             raise ValueError(f"the prompt has {n} tokens; the context holds {self.n_ctx_seq} per sequence "
