@@ -231,6 +231,18 @@ def test_cells_table_ext_and_bare_cells():
     assert t["seq"].tolist() == [-1, 3, 3, -1] and (t["stream"] == 0).all()
 
 
+def test_cells_table_of_an_iswa_cache_names_its_two_caches():
+    """An iSWA cache has two caches of cells: the table asks for one of them, and takes each."""
+    from test_iswa import make as make_iswa
+
+    mem = make_iswa()
+    with pytest.raises(TypeError, match=r"got KVCacheISWA \(an iSWA cache: pass its get_base\(\) or get_swa\(\)\)"):
+        I.cells_table(mem)
+    assert I.cells_table(mem.get_base()).size == 512 and I.cells_table(mem.get_swa()).size == mem.get_swa().get_size()
+    with pytest.raises(TypeError, match=r"expected a KVCache or KVCells, got int$"):
+        I.cells_table(3)
+
+
 def test_cell_map_matches_debug_dump():
     from kvcache_ggml.cache import cell_map_text, cell_pos_text
 

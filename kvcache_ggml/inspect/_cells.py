@@ -33,7 +33,10 @@ def _streams(kv: Any) -> tuple[list[KVCells], list[int] | None]:
         return [kv], None
     cells = getattr(kv, "v_cells", None)
     if cells is None:
-        raise TypeError(f"expected a KVCache or KVCells, got {type(kv).__name__}")
+        from ..cache.iswa import KVCacheISWA
+
+        also = " (an iSWA cache: pass its get_base() or get_swa())" if isinstance(kv, KVCacheISWA) else ""
+        raise TypeError(f"expected a KVCache or KVCells, got {type(kv).__name__}{also}")
     return list(cells), list(kv.v_heads)
 
 

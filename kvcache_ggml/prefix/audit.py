@@ -5,6 +5,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cache import KVCacheISWA
 from ..inspect import cells_table
 
 __all__ = ["check"]
@@ -15,7 +16,8 @@ def check(pc: Any) -> list[str]:
     cache's cells (an empty list: consistent).
 
     Per sequence: an entry exists iff the sequence has cells or serves a request; the entry's tokens sit at
-    positions 0..n-1, one cell each, with no K-shift pending; ``clean`` iff no other cell holds the sequence.
+    positions 0..n-1, one cell each, with no K-shift pending; ``clean`` iff no other cell holds the sequence.  An
+    iSWA memory is checked in its base cache (its SWA cache holds only each sequence's window).
     """
     out: list[str] = []
     tokens_of: dict[Any, np.ndarray] = {e: e.tokens for e in pc.seqs.values() if e.tokens.size}
@@ -23,7 +25,8 @@ def check(pc: Any) -> list[str]:
     out += pc.tree.check(tokens_of)
     if pc.host is not None:
         out += pc.host.check()
-    t = cells_table(pc.ctx.kv)
+    kv = pc.ctx.kv
+    t = cells_table(kv.get_base() if isinstance(kv, KVCacheISWA) else kv)  # (the base cache holds every position)
     t = t[t["pos"] >= 0]
     for s in range(pc.n_seq):
         stream = pc.stream_of(s)
