@@ -121,14 +121,14 @@ def test_advance_mixes_prompt_chunks_and_steps(model):
             toks_a.append(int(np.argmax(out[0])))
         np.testing.assert_allclose(out[1], rows_b[0], rtol=0, atol=1e-5 * np.abs(rows_b[0]).max())
         assert toks_a == ref_a and int(np.argmax(out[1])) == ref_b[0]
-        check(pc)
+        assert check(pc) == []
         with pytest.raises(ValueError, match="distinct"):
             pc.advance([(0, [5], True), (0, [6], True)])
         with pytest.raises(ValueError, match="n_batch"):
             pc.advance([(0, np.full(513, 5), True)])
         with pytest.raises(RuntimeError, match="serves no request"):
             pc.advance([(3, [5], True)])
-        check(pc)
+        assert check(pc) == []
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -147,7 +147,7 @@ def test_chunked_prefill_gives_each_prompt_its_tokens_alone(model):
         # 6 + 6 + 40 + 40 prompt tokens at <= 16 a step, the first token of each request with its last chunk
         assert eng.stats.computed_tokens == 92 and eng.stats.steps >= 92 // 16
         assert eng.stats.generated_tokens == 24
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 def test_shared_prefix_is_reused_between_requests(model):
@@ -206,7 +206,7 @@ def test_a_full_cache_ends_requests_with_length_and_never_crashes(model, split):
         assert reasons.count("length") == 3 and eng.stats.ended_full >= 1
         assert all(s.done.kind == "done" for s in sinks)
         assert sum(len(s.tokens) for s in sinks) >= 64 - 3 * 12
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -234,7 +234,7 @@ def test_a_prompt_without_room_waits_while_the_generating_request_goes_on(model,
         assert sa.done.finish_reason == "length" and len(a.generated) == 256 - 100
         eng.run_until_idle()
         assert sb.done.finish_reason == "length" and sb.tokens == alone(model, pb, 4)[0]
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 def test_queue_limit_prompt_limit_and_cancel(model):
@@ -260,7 +260,7 @@ def test_queue_limit_prompt_limit_and_cancel(model):
         assert eng.stats.requests_cancelled == 1
         with pytest.raises(ValueError, match="n_parallel must be in"):
             Engine(ctx, vocab, EngineParams(n_parallel=3))
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 def test_requests_arriving_together_compute_a_shared_prefix_once(model):
@@ -276,7 +276,7 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(model):
         assert eng.stats.computed_tokens == 60 + 4 * 10
         assert [s.done.usage.cached_tokens for s in sinks] == [0, 60, 60, 60]
         assert [s.tokens for s in sinks] == refs
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 def _lone_trace(model, monkeypatch, lone: bool):
@@ -310,7 +310,7 @@ def _lone_trace(model, monkeypatch, lone: bool):
             else:
                 j = jobs[int(op[1:])][0]
                 {"s": eng.submit, "c": eng.cancel, "d": lambda j: setattr(j, "deadline", 0.0)}[op[0]](j)
-        check(eng.prefix)
+        assert check(eng.prefix) == []
         got = [(s.tokens, s.done.kind, s.done.finish_reason) for _, s in jobs]
         return got, replace(eng.stats), replace(eng.prefix.stats), ctx.state_get_data(), taken
 
@@ -533,7 +533,7 @@ def test_prompts_per_step_reads_the_fewest_tokens_left_first(model, per_step):
             generating -= {i for i in generating if sinks[i].events and sinks[i].events[-1].kind != "text"}
         for sk, ref in zip(sinks, refs):
             assert sk.done.finish_reason == "length" and sk.tokens == ref
-        check(eng.prefix)
+        assert check(eng.prefix) == []
     with pytest.raises(ValueError, match="prompts_per_step must be >= 0"):
         EngineParams(prompts_per_step=-1).check(4, 512)
 
@@ -597,7 +597,7 @@ def test_split_steps_alternate_and_late_arrivals_join_the_prompt_step(model):
         assert sorted(i for k, i in seen if k == "late") == [3, 5]  # read in the step after the one they came in
         assert eng.stats.prompt_steps == reads and eng.stats.steps == n
         assert [s.tokens for _, s in jobs] == refs
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 # ---------------------------------------------------------------------------------------------- threads

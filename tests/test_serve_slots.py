@@ -150,7 +150,7 @@ def test_saved_conversation_restores_into_another_slot_and_is_reused(models, tmp
         info3 = slots_info(eng)[3]
         assert info3 == {"id": 3, "n_ctx": 512, "speculative": False, "is_processing": False,
                          "n_tokens": held.size, "parked": True}
-        check(eng.prefix)
+        assert check(eng.prefix) == []
         full = np.concatenate([held, ext])
         j2, out2 = run(eng, vocab, full, 5, id_slot=3)
         assert j2.n_cached == held.size and eng.stats.computed_tokens == p.size + ext.size
@@ -159,7 +159,7 @@ def test_saved_conversation_restores_into_another_slot_and_is_reused(models, tmp
         restore_slot(eng, 2, path, "conv.bin")  # again, and a request naming no slot finds it by its tokens
         j3, out3 = run(eng, vocab, full, 5)
         assert j3.n_cached == held.size and out3 == out2
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 def test_restore_replaces_what_the_slot_held_and_an_id_slot_is_taken(models, tmp_path):
@@ -177,7 +177,7 @@ def test_restore_replaces_what_the_slot_held_and_an_id_slot_is_taken(models, tmp
         restore_slot(eng, 1, tmp_path / "a.bin", "a.bin")
         assert ctx.state_seq_get_data(1) == as_seq(ctx.state_seq_get_data(2), 1)
         assert eng.prefix.seqs[1].tokens.tolist() == eng.prefix.seqs[2].tokens.tolist()
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 def _bad_files(models, tmp_path, good):
@@ -239,7 +239,7 @@ def test_bad_files_are_refused_and_change_nothing(models, tmp_path):
                 act()
         eng.prefix.release(1)
         assert blobs(ctx)[0] == before[0] and blobs(ctx)[2:] == before[2:]
-        check(eng.prefix)
+        assert check(eng.prefix) == []
 
 
 def test_gemma_iswa_files_checked_whole_before_a_restore(models, tmp_path):
@@ -276,6 +276,7 @@ def test_gemma_iswa_files_checked_whole_before_a_restore(models, tmp_path):
             assert ctx.memory_seq_pos_max(0) == -1
             restore_slot(eng, 0, good, "g.bin")
             assert blobs(ctx) == before and eng.prefix.seqs[0].tokens.tolist() == toks
+            assert check(eng.prefix) == []  # (checked in the base cache: it holds every position)
 
 
 def parse_state_end(data):
