@@ -434,6 +434,31 @@ def test_full_cache_evicts_least_recently_used_to_the_host_tier(model, tmp_path)
         assert not list(tmp_path.iterdir())
 
 
+def test_a_restore_whose_room_drops_its_own_blob_computes_the_prompt(model):
+    """Restoring a host blob may first evict a parked sequence for room; saving that one to a host tier with room for
+    one blob drops the blob being restored.  The restore then gives up: the prompt is computed, with the logits of a
+    fresh decode, and the blob that took the room is the one kept.  Before, the blob, without bytes or a file, was
+    loaded anyway: a TypeError, and the engine's admission failed (found by fuzzing a Gemma 2 server)."""
+    a, b = toks(150, 50), toks(150, 51)
+    with ctx_of(model, n_ctx=64, n_seq_max=4) as c:  # (one stream of 256 cells: a and b do not fit together)
+        pc = PrefixCache(c, host=HostParams(budget=1 << 20))
+        served(pc, 0, a)
+        blob_bytes = len(c.state_seq_get_data(0)) + 4 * a.size
+        pc.close()
+    with ctx_of(model, n_ctx=64, n_seq_max=4) as c:
+        pc = PrefixCache(c, host=HostParams(budget=blob_bytes * 3 // 2))  # room for one blob of 150 tokens
+        served(pc, 0, a)
+        pc.evict(0)                                   # a: a host blob
+        served(pc, 1, b)                              # b: parked on the device
+        assert [h.tokens.size for h in pc.host_entries()] == [150] and sorted(pc.seqs) == [1]
+        adm, logits = prefill(pc, np.append(a, 7), 0)  # a's restore evicts b, whose blob replaces a's
+        assert adm.n_reused == 0 and pc.stats.host_restores == 0
+        assert rel_err(logits, fresh_logits(model, np.append(a, 7))) < TOL
+        assert [h.tokens.tolist() for h in pc.host_entries()] == [b.tolist()]
+        assert check(pc) == []
+        pc.close()
+
+
 def test_retention_priority_keeps_a_sequence(model):
     now = [0.0]
     with ctx_of(model, n_ctx=64, n_seq_max=4) as c:

@@ -453,6 +453,8 @@ class PrefixCache:
         """Load blob ``h`` into the sequence of ``e``, evicting parked sequences for room; False if impossible."""
         if not self._make_room(e.stream, h.tokens.size, set()):
             return False
+        if h.blob is None and h.path is None:  # (the blobs saved to make the room dropped it from the host tier)
+            return False
         try:
             if h.blob is not None:
                 self.ctx.state_seq_set_data(h.blob, e.seq_id)
