@@ -250,6 +250,32 @@ def test_shared_cells_move_for_every_holder(paths):
         assert rel_err(row, Reference(paths[1]).forward(q)[-1]) < TOL
 
 
+def test_shared_cells_move_for_every_holder_of_a_unified_iswa_memory(tmp_path):
+    """The same on Gemma 2's iSWA memory (swa_full: it can shift), unified: which sequences share the moved cells is
+    read in the base cache (before: cells_table refused the iSWA memory, and the admission failed in the server).
+    The SWA cache moves alike: it holds the base cache's positions of each sequence from its window's start on."""
+    from kvcache_ggml.runtime.arch import load_model
+    from kvcache_ggml.runtime.gemma_maker import GemmaSpec, make_gemma_model
+
+    path = make_gemma_model(tmp_path / "g.gguf", GemmaSpec(arch="gemma2", n_swa=8, vocab=VOCAB, seed=3))
+    rng = np.random.default_rng(4)
+    p = rng.integers(3, VOCAB, 40).astype(np.int32)
+    q = edited(rng, p, 0, 8, 5)
+    with load_model(path) as m, Context(m, n_ctx=256, n_batch=128, n_ubatch=128, n_seq_max=2, kv_unified=True,
+                                        swa_full=True, n_threads=2, n_threads_batch=2) as ctx:
+        pc = PrefixCache(ctx)
+        assert ctx.memory_can_shift()
+        run_prompt(pc, p, 0, 0)
+        pc.seq_cp(0, 1)
+        adm, _ = run_prompt(pc, q, 0, 5)
+        assert adm.n_shifted == 26 and pc.seqs[1].tokens.size == 8   # cut at the first moved position
+        assert check(pc) == []
+        for s in (0, 1):
+            base, swa = (np.sort(t["pos"][(t["pos"] >= 0) & ((t["seq_mask"] >> np.uint64(s)) & np.uint64(1) > 0)])
+                         for t in (cells_table(ctx.kv.get_base()), cells_table(ctx.kv.get_swa())))
+            assert swa.size and np.array_equal(swa, base[base >= swa[0]]), s
+
+
 def test_bad_input_changes_nothing(paths, tmp_path):
     rng = np.random.default_rng(5)
     p = rng.integers(3, VOCAB, 30).astype(np.int32)

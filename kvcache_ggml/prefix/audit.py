@@ -5,8 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import KVCacheISWA
-from ..inspect import cells_table
+from .index import memory_cells
 
 __all__ = ["check"]
 
@@ -25,8 +24,7 @@ def check(pc: Any) -> list[str]:
     out += pc.tree.check(tokens_of)
     if pc.host is not None:
         out += pc.host.check()
-    kv = pc.ctx.kv
-    t = cells_table(kv.get_base() if isinstance(kv, KVCacheISWA) else kv)  # (the base cache holds every position)
+    t = memory_cells(pc.ctx.kv)
     t = t[t["pos"] >= 0]
     for s in range(pc.n_seq):
         stream = pc.stream_of(s)

@@ -36,11 +36,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..cache import KVCacheISWA
 from ..inspect import cells_table
 from .policy import Retention
 from .tree import RadixTree, as_tokens
 
-__all__ = ["SeqEntry", "SeqIndex"]
+__all__ = ["SeqEntry", "SeqIndex", "memory_cells"]
 
 _POS_MAX = 2**31 - 1
 
@@ -66,6 +67,12 @@ class SeqEntry:
 
 def _clamp(p0: int, p1: int) -> tuple[int, int]:
     return max(p0, 0), (_POS_MAX if p1 < 0 else p1)
+
+
+def memory_cells(kv: Any) -> np.ndarray:
+    """The :func:`cells_table` of the cache of ``kv`` that holds every position: an iSWA memory's base cache (its
+    SWA cache holds each sequence's window only, shared by the same sequences), else ``kv`` itself."""
+    return cells_table(kv.get_base() if isinstance(kv, KVCacheISWA) else kv)
 
 
 def _has_seq(t: np.ndarray, s: int) -> np.ndarray:
@@ -268,7 +275,7 @@ class SeqIndex:
             return []
         if not self.unified:
             return [seq_id]
-        t = cells_table(self.ctx.kv)
+        t = memory_cells(self.ctx.kv)
         rows = t[(t["pos"] >= a) & (t["pos"] < b) & _has_seq(t, seq_id)]
         words = (np.bitwise_or.reduce(rows["seq_bits"], axis=0) if rows.size
                  else np.zeros(t["seq_bits"].shape[1], np.uint64))
